@@ -1,0 +1,77 @@
+"""Encode server messages into frames, once per event and format.
+
+A :class:`Frame` is built once per event and handed to every recipient. Its
+JSON text (browsers) and msgpack bytes (``ap.msgpack`` clients) are each
+produced at most once, on first use.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import Any
+
+import msgpack
+
+from protocol.messages import (
+    AdminTest,
+    GameEvent,
+    PresenceDelta,
+    PresenceSnapshot,
+    ServerMessage,
+)
+
+
+def to_wire(message: ServerMessage) -> dict[str, Any]:
+    """The ``{"verb", "payload"}`` object of a server message."""
+    if isinstance(message, PresenceDelta):
+        return {
+            "verb": "connections",
+            "payload": {
+                "type": "delta",
+                "seq": message.seq,
+                "joins": list(message.joins),
+                "leaves": list(message.leaves),
+                "totalCount": message.total_count,
+            },
+        }
+    if isinstance(message, PresenceSnapshot):
+        return {
+            "verb": "connections",
+            "payload": {
+                "type": "snapshot",
+                "seq": message.seq,
+                "totalCount": message.total_count,
+                "visibleUserIds": list(message.visible_user_ids),
+            },
+        }
+    if isinstance(message, GameEvent):
+        return {"verb": message.verb, "payload": message.payload}
+    if isinstance(message, AdminTest):
+        return {"verb": "test", "payload": message.payload}
+    return {"verb": "error", "payload": {"code": message.code, "message": message.message}}
+
+
+class Frame:
+    """One server message, encoded lazily and at most once per format."""
+
+    __slots__ = ("message", "__dict__")
+
+    def __init__(self, message: ServerMessage) -> None:
+        self.message = message
+
+    @cached_property
+    def wire(self) -> dict[str, Any]:
+        return to_wire(self.message)
+
+    @cached_property
+    def text(self) -> str:
+        """The JSON text frame."""
+        return json.dumps(self.wire, separators=(",", ":"))
+
+    @cached_property
+    def binary(self) -> bytes:
+        """The msgpack binary frame."""
+        data: bytes = msgpack.packb(self.wire, use_bin_type=True)
+        return data
+

@@ -1,0 +1,51 @@
+"""Error codes, close codes and limits shared by the server and its clients."""
+
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+
+class ErrorCode(StrEnum):
+    """``payload.code`` of an ``error`` frame."""
+
+    INVALID_FRAME = "invalid_frame"
+    INVALID_MESSAGE = "invalid_message"
+    UNKNOWN_ACTION = "unknown_action"
+    NOT_SUBSCRIBED = "not_subscribed"
+    UNAUTHORIZED = "unauthorized"
+    TOO_MANY_GAMES = "too_many_games"
+    USER_MISMATCH = "user_mismatch"
+    UNAVAILABLE = "unavailable"
+
+
+class CloseCode(IntEnum):
+    """WebSocket close codes the server uses."""
+
+    GOING_AWAY = 1001  # the browser treats this as an idle timeout
+    POLICY_VIOLATION = 1008  # bad token
+    MESSAGE_TOO_BIG = 1009  # frame over MAX_FRAME_BYTES
+    SERVICE_RESTART = 1012  # drain on deploy: reconnect at once
+    SLOW_CONSUMER = 4008  # outbox overflow: the client could not keep up
+
+
+class ProtocolError(Exception):
+    """Untrusted input was rejected; carries the error frame to send back."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+MAX_FRAME_BYTES = 64 * 1024
+"""Largest client frame accepted; larger ones are closed with 1009."""
+
+MAX_WATCHED_GAMES = 1000
+"""Most games one connection may watch; keeps a row far below DynamoDB's 400 KB."""
+
+MAX_GAME_FIELD_CHARS = 128
+"""Longest ``meta`` or ``id`` of a game ref."""
+
+MAX_TOKEN_CHARS = 16 * 1024
+
+MSGPACK_SUBPROTOCOL = "ap.msgpack"

@@ -1,0 +1,121 @@
+"""Typed messages at every boundary: client in, server out, backend in.
+
+Every value here is a frozen dataclass built by :mod:`protocol.parse` from
+untrusted input, or by the server before encoding. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+GameKey = str
+"""A watched game as stored in ``watchingGames``: ``"<metaGame>#<gameId>"``."""
+
+
+def game_key(meta: str, game_id: str) -> GameKey:
+    """Build the ``watchingGames`` key of a game."""
+    return f"{meta}#{game_id}"
+
+
+# --- client -> server -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """``{"action":"subscribe", ...}``: authenticate and join presence."""
+
+    token: str
+    invisible: bool = False
+    wants_presence: bool = True
+    watch_version: int | None = None
+    # None means the client sent no ``games`` field (a legacy client).
+    games: frozenset[GameKey] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WatchGames:
+    """``{"action":"watchGames","games":[...]}``: replace the watch set."""
+
+    games: frozenset[GameKey]
+
+
+@dataclass(frozen=True, slots=True)
+class SyncPresence:
+    """``{"action":"syncPresence"}``: ask for a fresh presence snapshot."""
+
+
+ClientAction = Subscribe | WatchGames | SyncPresence
+
+
+# --- server -> client -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PresenceSnapshot:
+    """The committed presence state, exactly as of ``seq``."""
+
+    seq: int
+    total_count: int
+    visible_user_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PresenceDelta:
+    """The change from ``seq - 1`` to ``seq``.
+
+    ``total_count`` is the count after the change; old clients ignore it.
+    """
+
+    seq: int
+    joins: tuple[str, ...]
+    leaves: tuple[str, ...]
+    total_count: int
+
+
+GameVerb = Literal["game", "chat"]
+GAME_VERBS: frozenset[str] = frozenset({"game", "chat"})
+
+
+@dataclass(frozen=True, slots=True)
+class GameEvent:
+    """``game`` or ``chat``: "this game changed, refetch it"."""
+
+    verb: GameVerb
+    meta: str
+    game_id: str
+    # The payload as the backend sent it; forwarded unchanged to clients.
+    payload: dict[str, Any] = field(compare=False)
+
+    @property
+    def key(self) -> GameKey:
+        return game_key(self.meta, self.game_id)
+
+
+@dataclass(frozen=True, slots=True)
+class AdminTest:
+    """``test``: an admin broadcast to everyone, shown as a toast."""
+
+    payload: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMessage:
+    """``{"verb":"error","payload":{"code":...,"message":...}}``."""
+
+    code: str
+    message: str
+
+
+ServerMessage = PresenceSnapshot | PresenceDelta | GameEvent | AdminTest | ErrorMessage
+
+
+# --- backend -> server ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    """Today's SQS broadcast body: ``{"verb","payload","exclude"}``."""
+
+    event: GameEvent | AdminTest
+    exclude: frozenset[str] = frozenset()

@@ -1,0 +1,193 @@
+"""Parse and validate untrusted input into typed messages.
+
+Every function here either returns a typed value or raises
+:class:`~protocol.errors.ProtocolError` with a message fit for the client.
+Unknown extra fields are ignored, as the live client sends them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+
+from protocol.errors import (
+    MAX_GAME_FIELD_CHARS,
+    MAX_TOKEN_CHARS,
+    MAX_WATCHED_GAMES,
+    ErrorCode,
+    ProtocolError,
+)
+from protocol.messages import (
+    GAME_VERBS,
+    AdminTest,
+    Broadcast,
+    ClientAction,
+    GameEvent,
+    GameKey,
+    SyncPresence,
+    Subscribe,
+    WatchGames,
+    game_key,
+)
+
+
+def decode_frame(data: str | bytes) -> Any:
+    """Decode one frame: text frames are JSON, binary frames are msgpack."""
+    try:
+        if isinstance(data, str):
+            return json.loads(data)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except RecursionError:
+        raise ProtocolError(ErrorCode.INVALID_FRAME, "frame is nested too deeply") from None
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        kind = "JSON" if isinstance(data, str) else "msgpack"
+        raise ProtocolError(ErrorCode.INVALID_FRAME, f"frame is not valid {kind}") from exc
+
+
+def parse_client_frame(data: str | bytes) -> ClientAction:
+    """Parse one client frame into a typed action."""
+    return parse_client_message(decode_frame(data))
+
+
+def parse_client_message(message: Any) -> ClientAction:
+    """Validate a decoded client message and build its action."""
+    if not isinstance(message, Mapping):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "message must be an object")
+    action = message.get("action")
+    if action == "subscribe":
+        return _parse_subscribe(message)
+    if action == "watchGames":
+        return WatchGames(games=_parse_games(message.get("games"), required=True) or frozenset())
+    if action == "syncPresence":
+        return SyncPresence()
+    if not isinstance(action, str):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "message needs a string 'action'")
+    raise ProtocolError(ErrorCode.UNKNOWN_ACTION, f"unknown action {_quote(action)}")
+
+
+def _parse_subscribe(message: Mapping[str, Any]) -> Subscribe:
+    token = message.get("token")
+    if not isinstance(token, str) or not token:
+        raise ProtocolError(ErrorCode.UNAUTHORIZED, "subscribe needs a 'token'")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ProtocolError(ErrorCode.UNAUTHORIZED, "token is too long")
+    watch_version = message.get("watchVersion")
+    if watch_version is not None and (
+        isinstance(watch_version, bool) or not isinstance(watch_version, int)
+    ):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "'watchVersion' must be a number")
+    return Subscribe(
+        token=token,
+        invisible=_parse_bool(message, "invisible", default=False),
+        wants_presence=_parse_bool(message, "wantsPresence", default=True),
+        watch_version=watch_version,
+        games=_parse_games(message.get("games"), required=False),
+    )
+
+
+def _parse_bool(message: Mapping[str, Any], name: str, *, default: bool) -> bool:
+    value = message.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"'{name}' must be true or false")
+    return value
+
+
+def _parse_games(value: Any, *, required: bool) -> frozenset[GameKey] | None:
+    """Parse a list of ``{meta, id}`` refs; entries missing either are ignored."""
+    if value is None:
+        if required:
+            raise ProtocolError(ErrorCode.INVALID_MESSAGE, "'games' must be a list")
+        return None
+    if not isinstance(value, list):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "'games' must be a list")
+    keys: set[GameKey] = set()
+    for entry in value:
+        if not isinstance(entry, Mapping):
+            continue
+        meta, game_id = entry.get("meta"), entry.get("id")
+        if not _is_game_field(meta) or not _is_game_field(game_id):
+            continue
+        keys.add(game_key(meta, game_id))
+        if len(keys) > MAX_WATCHED_GAMES:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_GAMES,
+                f"at most {MAX_WATCHED_GAMES} games can be watched at once",
+            )
+    return frozenset(keys)
+
+
+def _is_game_field(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_GAME_FIELD_CHARS and _is_utf8(value)
+
+
+def _is_utf8(value: str) -> bool:
+    # json.loads lets lone surrogates through; they cannot be stored or re-encoded.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _quote(value: str) -> str:
+    shown = value if len(value) <= 40 else value[:40] + "..."
+    return json.dumps(shown)
+
+
+def parse_broadcast(body: bytes | str) -> Broadcast:
+    """Parse a backend broadcast, today's ``{"verb","payload","exclude"}``."""
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError):
+        raise ProtocolError(ErrorCode.INVALID_FRAME, "body is not valid JSON") from None
+    if not isinstance(message, Mapping):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "body must be an object")
+    verb = message.get("verb")
+    payload = message.get("payload")
+    exclude = _parse_exclude(message.get("exclude"))
+    if verb == "test":
+        _check_encodable(payload)
+        return Broadcast(event=AdminTest(payload=payload), exclude=exclude)
+    if verb in GAME_VERBS:
+        if not isinstance(payload, Mapping):
+            raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"'{verb}' needs an object payload")
+        meta, game_id = payload.get("meta"), payload.get("id")
+        if not _is_game_field(meta) or not _is_game_field(game_id):
+            raise ProtocolError(
+                ErrorCode.INVALID_MESSAGE, f"'{verb}' payload needs string 'meta' and 'id'"
+            )
+        _check_encodable(payload)
+        event = GameEvent(
+            verb="game" if verb == "game" else "chat",
+            meta=meta,
+            game_id=game_id,
+            payload=dict(payload),
+        )
+        return Broadcast(event=event, exclude=exclude)
+    if not isinstance(verb, str):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "body needs a string 'verb'")
+    raise ProtocolError(ErrorCode.UNKNOWN_ACTION, f"unknown verb {_quote(verb)}")
+
+
+def _check_encodable(payload: Any) -> None:
+    # Refuse here what could not be sent to a msgpack client (lone surrogates,
+    # integers over 64 bits) rather than fail on every recipient later.
+    try:
+        msgpack.packb(payload, use_bin_type=True)
+    except (ValueError, TypeError, OverflowError):
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE, "payload holds values that cannot be encoded"
+        ) from None
+
+
+def _parse_exclude(value: Any) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list) or not all(isinstance(user, str) for user in value):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "'exclude' must be a list of user ids")
+    return frozenset(value)

@@ -1,0 +1,81 @@
+"""The store interface: where connection rows and the presence sequence live.
+
+Two implementations share one contract suite (``tests/contract``): the
+in-memory store of the embedded default, and DynamoDB. Records keep the exact
+keys and attributes of Abstract Play's single table (``docs/access-patterns.md``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+CONNECTION_TTL_SECONDS = 86_400
+"""A row's ``ttl`` is now + 24 h, as today; live connections refresh it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionRecord:
+    """One ``pk=wsConnections`` row."""
+
+    connection_id: str
+    user_id: str
+    invisible: bool
+    endpoint: str
+    wants_presence: bool
+    watch_version: int | None
+    watching_games: frozenset[str]
+    ttl: int
+
+
+def ttl_from_now(now: float | None = None) -> int:
+    """The ``ttl`` value, epoch seconds, for a row written now."""
+    return int(now if now is not None else time.time()) + CONNECTION_TTL_SECONDS
+
+
+class StoreUnavailable(Exception):
+    """The store could not be reached or refused the request after retries."""
+
+
+class Store(Protocol):
+    """Persistence for connection rows and the ``wsMeta`` presence counter."""
+
+    async def start(self) -> None:
+        """Connect and check the table is reachable; raise StoreUnavailable if not."""
+
+    async def close(self) -> None:
+        """Release clients and sockets."""
+
+    async def write_connections(
+        self, puts: Sequence[ConnectionRecord], deletes: Sequence[str]
+    ) -> None:
+        """Put whole rows and delete rows by connection id, in batches.
+
+        A connection id appears at most once across ``puts`` and ``deletes``.
+        Returns only when every item is written; raises StoreUnavailable otherwise.
+        """
+
+    async def update_watch(
+        self, connection_id: str, games: frozenset[str], watch_version: int, ttl: int
+    ) -> None:
+        """Replace ``watchingGames`` (removed when empty), set ``watchVersion`` and ``ttl``."""
+
+    async def refresh_ttl(self, connection_id: str, ttl: int) -> None:
+        """Push a live row's ``ttl`` forward."""
+
+    async def get_connection(self, connection_id: str) -> ConnectionRecord | None:
+        """One row, or None when absent or past its ``ttl``."""
+
+    async def list_connections(self) -> list[ConnectionRecord]:
+        """Every row not past its ``ttl``. For operators and tests, never a hot path."""
+
+    async def delete_endpoint_connections(self, endpoint: str) -> int:
+        """Delete every row whose ``endpoint`` is this node's; returns how many."""
+
+    async def next_presence_seq(self) -> int:
+        """Atomically add 1 to ``wsMeta/presenceSeq`` and return the new value."""
+
+    async def current_presence_seq(self) -> int:
+        """The ``wsMeta/presenceSeq`` value, 0 when never written."""
