@@ -1,0 +1,76 @@
+"""Process-wide counters and gauges, rendered in the Prometheus text format.
+
+Each component registers its own metrics at import time, so ``/metrics`` shows
+every one of them even before it first moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class Counter:
+    """A monotonically increasing count."""
+
+    __slots__ = ("help", "name", "value")
+
+    def __init__(self, name: str, help: str) -> None:
+        self.name = name
+        self.help = help
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class Gauge:
+    """A value read when scraped."""
+
+    __slots__ = ("help", "name", "read")
+
+    def __init__(self, name: str, help: str, read: Callable[[], float]) -> None:
+        self.name = name
+        self.help = help
+        self.read = read
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._counters: dict[str, Counter] = {}
+        self._gauges: dict[str, Gauge] = {}
+
+    def counter(self, name: str, help: str) -> Counter:
+        """Get or create a counter; the same name always gives the same counter."""
+        counter = self._counters.get(name)
+        if counter is None:
+            counter = self._counters[name] = Counter(name, help)
+        return counter
+
+    def gauge(self, name: str, help: str, read: Callable[[], float]) -> Gauge:
+        """Register (or replace) a gauge read at scrape time."""
+        gauge = self._gauges[name] = Gauge(name, help, read)
+        return gauge
+
+    def value(self, name: str) -> float:
+        if name in self._counters:
+            return self._counters[name].value
+        return self._gauges[name].read()
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for counter in self._counters.values():
+            lines += [
+                f"# HELP {counter.name} {counter.help}",
+                f"# TYPE {counter.name} counter",
+                f"{counter.name} {counter.value:g}",
+            ]
+        for gauge in self._gauges.values():
+            lines += [
+                f"# HELP {gauge.name} {gauge.help}",
+                f"# TYPE {gauge.name} gauge",
+                f"{gauge.name} {gauge.read():g}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+REGISTRY = Registry()
