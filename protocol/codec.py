@@ -55,7 +55,7 @@ def to_wire(message: ServerMessage) -> dict[str, Any]:
 class Frame:
     """One server message, encoded lazily and at most once per format."""
 
-    __slots__ = ("message", "__dict__")
+    __slots__ = ("__dict__", "message")
 
     def __init__(self, message: ServerMessage) -> None:
         self.message = message
@@ -70,8 +70,12 @@ class Frame:
         return json.dumps(self.wire, separators=(",", ":"))
 
     @cached_property
+    def text_utf8(self) -> bytes:
+        """The JSON text frame's UTF-8 bytes, ready for the socket."""
+        return self.text.encode()
+
+    @cached_property
     def binary(self) -> bytes:
         """The msgpack binary frame."""
         data: bytes = msgpack.packb(self.wire, use_bin_type=True)
         return data
-

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 
@@ -27,8 +27,8 @@ from protocol.messages import (
     ClientAction,
     GameEvent,
     GameKey,
-    SyncPresence,
     Subscribe,
+    SyncPresence,
     WatchGames,
     game_key,
 )
@@ -121,7 +121,7 @@ def _parse_games(value: Any, *, required: bool) -> frozenset[GameKey] | None:
     return frozenset(keys)
 
 
-def _is_game_field(value: Any) -> bool:
+def _is_game_field(value: Any) -> TypeGuard[str]:
     return isinstance(value, str) and 0 < len(value) <= MAX_GAME_FIELD_CHARS and _is_utf8(value)
 
 

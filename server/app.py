@@ -1,0 +1,177 @@
+"""Wire the parts together from settings and run the listeners."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Sequence
+
+from aiohttp import web
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.typing import Subprotocol
+
+from protocol.errors import (
+    MAX_FRAME_BYTES,
+    MSGPACK_SUBPROTOCOL,
+    CloseCode,
+    ErrorCode,
+    ProtocolError,
+)
+from protocol.messages import Subscribe, SyncPresence, WatchGames
+from protocol.parse import parse_client_frame
+from server.auth import Authenticator, CognitoVerifier, DevVerifier
+from server.bus.base import Bus
+from server.bus.memory import MemoryBus
+from server.config import Settings
+from server.connection import Session
+from server.ingress.http import build_app
+from server.metrics import REGISTRY
+from server.node import Node
+from server.presence import MemoryPresenceBackend, PresenceBackend
+from server.store.base import Store
+from server.store.memory import MemoryStore
+
+log = logging.getLogger("ap_realtime")
+
+bad_frames = REGISTRY.counter("ap_client_errors_total", "Client frames answered with an error")
+
+
+def build_authenticator(settings: Settings) -> Authenticator:
+    cognito = None
+    if settings.cognito_issuer is not None and settings.cognito_client_id is not None:
+        cognito = CognitoVerifier(
+            settings.cognito_issuer, settings.cognito_client_id, settings.jwks_file
+        )
+    dev = DevVerifier(settings.dev_jwt_secret) if settings.dev_jwt_secret else None
+    return Authenticator(cognito=cognito, dev=dev)
+
+
+def build_store(settings: Settings) -> Store:
+    if settings.store == "dynamodb":
+        from server.store.dynamodb import DynamoStore
+
+        return DynamoStore(
+            table=settings.table, region=settings.region, endpoint_url=settings.dynamodb_endpoint
+        )
+    return MemoryStore()
+
+
+async def build_node(settings: Settings) -> Node:
+    """A node ready to ``start()``: memory parts by default, shared ones when configured."""
+    store = build_store(settings)
+    bus: Bus
+    backend: PresenceBackend
+    if settings.redis_url is not None:
+        from server.bus.redis import RedisBus, RedisPresenceBackend
+
+        redis_bus = RedisBus(settings.redis_url)
+        bus = redis_bus
+        backend = RedisPresenceBackend(redis_bus, settings)
+    else:
+        memory_bus = MemoryBus()
+        bus = memory_bus
+        backend = MemoryPresenceBackend(memory_bus, settings.node_id)
+    return Node(settings, store, bus, backend, build_authenticator(settings))
+
+
+def _select_subprotocol(
+    connection: ServerConnection, offered: Sequence[Subprotocol]
+) -> Subprotocol | None:
+    # Browsers offer none and get JSON; clients that ask for msgpack get it.
+    return Subprotocol(MSGPACK_SUBPROTOCOL) if MSGPACK_SUBPROTOCOL in offered else None
+
+
+class Handler:
+    """Runs one socket's session: read frames in order, act, answer."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.limit = node.settings.outbox_limit_bytes
+
+    async def __call__(self, ws: ServerConnection) -> None:
+        session = Session(ws)
+        self.node.opened(session)
+        try:
+            async for data in ws:
+                await self.receive(session, data)
+        except ConnectionClosed:
+            pass
+        finally:
+            self.node.closed(session)
+
+    async def receive(self, session: Session, data: str | bytes) -> None:
+        try:
+            action = parse_client_frame(data)
+        except ProtocolError as exc:
+            bad_frames.inc()
+            session.send_error(exc.code, exc.message, self.limit)
+            if exc.code is ErrorCode.UNAUTHORIZED:
+                # subscribe without a usable token: refused like a bad one
+                session.close(CloseCode.POLICY_VIOLATION, "invalid token")
+            return
+        if isinstance(action, Subscribe):
+            await self.node.subscribe(session, action)
+        elif not session.subscribed:
+            bad_frames.inc()
+            session.send_error(ErrorCode.NOT_SUBSCRIBED, "Not subscribed", self.limit)
+        elif isinstance(action, WatchGames):
+            self.node.watch(session, action.games)
+        elif isinstance(action, SyncPresence):
+            self.node.sync_presence(session)
+
+
+async def start_listeners(node: Node) -> tuple[Server, web.AppRunner]:
+    settings = node.settings
+    ws_server = await serve(
+        Handler(node),
+        settings.host,
+        settings.port,
+        select_subprotocol=_select_subprotocol,
+        compression=None,  # frames are tiny; deflate would cost ~50 KiB per socket
+        max_size=MAX_FRAME_BYTES,
+        ping_interval=settings.ping_interval,
+        ping_timeout=settings.ping_timeout,
+        backlog=settings.listen_backlog,
+    )
+    runner = web.AppRunner(build_app(node), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.http_host, settings.http_port, backlog=1024)
+    await site.start()
+    return ws_server, runner
+
+
+def bound_port(server: Server) -> int:
+    port: int = server.sockets[0].getsockname()[1]
+    return port
+
+
+async def serve_forever(settings: Settings) -> None:
+    node = await build_node(settings)
+    await node.start()
+    ws_server, runner = await start_listeners(node)
+    mode = "cluster node (Redis bus)" if settings.clustered else "embedded (in-process bus)"
+    log.info(
+        "ap-realtime %s: ws://%s:%d, internal http://%s:%d, node %s, %s store, auth %s",
+        mode,
+        settings.host,
+        bound_port(ws_server),
+        settings.http_host,
+        settings.http_port,
+        settings.node_id,
+        settings.store,
+        "on" if node.authenticator.enabled else "OFF (no --dev-jwt-secret or Cognito set)",
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("shutting down: closing sessions and deleting this node's rows")
+    ws_server.close(close_connections=False)
+    await node.stop()
+    with contextlib.suppress(Exception):
+        await ws_server.wait_closed()
+    await runner.cleanup()

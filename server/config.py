@@ -1,0 +1,150 @@
+"""One settings object, from command-line flags and ``AP_*`` environment variables.
+
+A flag wins over its variable; the variable wins over the default. Each
+setting's variable is its flag in upper case with ``AP_`` in front:
+``--presence-debounce-ms`` is ``AP_PRESENCE_DEBOUNCE_MS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    http_host: str = "127.0.0.1"
+    http_port: int = 8766
+    node_id: str = ""
+    dev_jwt_secret: str | None = None
+    publish_secret: str | None = None
+    cognito_issuer: str | None = None
+    cognito_client_id: str | None = None
+    jwks_file: Path | None = None
+    presence_debounce_ms: int = 1000
+    outbox_limit_bytes: int = 1024 * 1024
+    ping_interval: float = 20.0
+    ping_timeout: float = 20.0
+    listen_backlog: int = 4096
+    ttl_refresh_seconds: float = 3600.0
+    dynamodb_endpoint: str | None = None
+    table: str = "abstract-play-dev"
+    region: str = "us-east-1"
+    store: str = "memory"
+    redis_url: str | None = None
+    node_heartbeat_ms: int = 2000
+    node_timeout_ms: int = 10000
+    log_level: str = "INFO"
+
+    @property
+    def presence_debounce(self) -> float:
+        return self.presence_debounce_ms / 1000
+
+    @property
+    def clustered(self) -> bool:
+        return self.redis_url is not None
+
+
+_HELP: dict[str, str] = {
+    "host": "public WebSocket listener address",
+    "port": "public WebSocket listener port (any path is accepted)",
+    "http_host": "internal HTTP listener address (publish, health, metrics)",
+    "http_port": "internal HTTP listener port, for operators and the backend only",
+    "node_id": "this node's name, stored as each row's endpoint (default: host name)",
+    "dev_jwt_secret": "accept HS256 development tokens signed with this secret",
+    "publish_secret": "bearer secret required by POST /publish",
+    "cognito_issuer": "Cognito user pool issuer URL; enables RS256 ID tokens",
+    "cognito_client_id": "Cognito app client id, the ID tokens' audience",
+    "jwks_file": "read the pool's JWKS from this file instead of the issuer URL",
+    "presence_debounce_ms": "window over which presence joins and leaves coalesce",
+    "outbox_limit_bytes": "bytes a client may have unsent before it is closed as slow",
+    "ping_interval": "seconds between keepalive pings",
+    "ping_timeout": "seconds to wait for a pong before dropping the peer",
+    "listen_backlog": "listen(2) backlog of the WebSocket listener, for connect storms",
+    "ttl_refresh_seconds": "how often live connections push their row's ttl forward",
+    "dynamodb_endpoint": "DynamoDB endpoint URL; implies --store dynamodb",
+    "table": "DynamoDB table name",
+    "region": "AWS region of the table",
+    "store": "connection store: memory or dynamodb",
+    "redis_url": "Redis URL; makes this process one node of a cluster",
+    "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
+    "node_timeout_ms": "silence after which a node is declared dead and its users leave",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per setting; defaults stay None so the environment can fill them."""
+    for spec in fields(Settings):
+        kind = _field_type(spec.name)
+        parser.add_argument(
+            _flag(spec.name),
+            dest=spec.name,
+            type=kind,
+            default=None,
+            help=f"{_HELP[spec.name]} (env AP_{spec.name.upper()})",
+        )
+
+
+def _field_type(name: str) -> type[Any]:
+    default = getattr(Settings(), name)
+    if name == "jwks_file":
+        return Path
+    if isinstance(default, bool | str) or default is None:
+        return str
+    return type(default)
+
+
+def load(args: argparse.Namespace | None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Build settings from parsed flags over environment variables over defaults."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for spec in fields(Settings):
+        flag_value = getattr(args, spec.name, None) if args is not None else None
+        if flag_value is not None:
+            values[spec.name] = flag_value
+            continue
+        raw = environ.get(f"AP_{spec.name.upper()}")
+        if raw is not None and raw != "":
+            try:
+                values[spec.name] = _field_type(spec.name)(raw)
+            except ValueError:
+                raise SystemExit(f"AP_{spec.name.upper()}={raw!r} is not a valid value") from None
+    if not values.get("node_id"):
+        values["node_id"] = socket.gethostname()
+    if values.get("dynamodb_endpoint") and "store" not in values:
+        values["store"] = "dynamodb"
+    settings = Settings(**values)
+    _validate(settings)
+    return settings
+
+
+def _validate(settings: Settings) -> None:
+    if settings.store not in ("memory", "dynamodb"):
+        raise SystemExit(f"--store must be memory or dynamodb, not {settings.store!r}")
+    if settings.clustered and settings.store == "memory":
+        raise SystemExit(
+            "--redis-url needs a shared store: add --dynamodb-endpoint or --store dynamodb"
+        )
+    if (settings.cognito_issuer is None) != (settings.cognito_client_id is None):
+        raise SystemExit("--cognito-issuer and --cognito-client-id go together")
+    if settings.presence_debounce_ms < 0:
+        raise SystemExit("--presence-debounce-ms must not be negative")
+
+
+def parse(argv: Sequence[str] | None = None) -> Settings:
+    """Settings for ``serve`` from a command line (used by tests and tools)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return load(parser.parse_args(argv))

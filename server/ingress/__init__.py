@@ -1,0 +1,1 @@
+"""Doors into the cluster besides client sockets: the internal HTTP API."""

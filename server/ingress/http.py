@@ -1,0 +1,74 @@
+"""The internal HTTP listener: publish, health, readiness and metrics.
+
+It listens apart from the public WebSocket port so that a load balancer
+exposes only the latter; the backend and operators reach this one.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+
+from aiohttp import web
+
+from protocol.errors import ProtocolError
+from protocol.parse import parse_broadcast
+from server.metrics import REGISTRY
+from server.node import Node
+
+log = logging.getLogger(__name__)
+
+MAX_PUBLISH_BYTES = 128 * 1024  # today's API Gateway message limit
+
+
+def _json(status: int, body: dict[str, object]) -> web.Response:
+    return web.json_response(body, status=status)
+
+
+def build_app(node: Node) -> web.Application:
+    secret = node.settings.publish_secret
+
+    async def publish(request: web.Request) -> web.Response:
+        if secret is None:
+            return _json(503, {"error": "publishing is disabled: no --publish-secret is set"})
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {secret}".encode()):
+            return _json(401, {"error": "missing or wrong bearer secret"})
+        if request.content_length is not None and request.content_length > MAX_PUBLISH_BYTES:
+            return _json(413, {"error": f"body over {MAX_PUBLISH_BYTES} bytes"})
+        body = await request.content.read(MAX_PUBLISH_BYTES + 1)
+        if len(body) > MAX_PUBLISH_BYTES:
+            return _json(413, {"error": f"body over {MAX_PUBLISH_BYTES} bytes"})
+        try:
+            message = parse_broadcast(body)
+        except ProtocolError as exc:
+            return _json(400, {"error": exc.message, "code": exc.code})
+        try:
+            await node.publish(message)
+        except Exception as exc:
+            log.warning("publish failed: %s", exc)
+            return _json(503, {"error": "the bus could not take the event"})
+        return _json(202, {"accepted": True})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return _json(200, {"status": "ok", "node": node.node_id})
+
+    async def readyz(request: web.Request) -> web.Response:
+        checks = {"started": node.ready, "bus": node.bus.connected}
+        status = 200 if all(checks.values()) else 503
+        return web.Response(
+            status=status,
+            text=json.dumps({"ready": status == 200, **checks}),
+            content_type="application/json",
+        )
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=REGISTRY.render(), content_type="text/plain")
+
+    app = web.Application(client_max_size=MAX_PUBLISH_BYTES)
+    app.router.add_post("/publish", publish)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app

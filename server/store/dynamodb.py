@@ -1,0 +1,596 @@
+"""DynamoDB store: connection rows and the presence counter in Abstract Play's table.
+
+Uses the aioboto3 low-level client. botocore's own retries are switched off so
+that every retry goes through one loop here, with jittered exponential backoff,
+a log line and a metric; after a bounded number of attempts the call raises
+StoreUnavailable. Errors that retrying cannot fix (validation, missing table,
+bad credentials) raise StoreUnavailable at once. The access patterns, and why
+each has its shape, are in ``docs/access-patterns.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import aioboto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from server.metrics import REGISTRY
+from server.store import keys
+from server.store.base import ConnectionRecord, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+BATCH_WRITE_LIMIT = 25
+"""BatchWriteItem takes at most 25 put/delete requests."""
+
+WRITE_CONCURRENCY = 8
+"""BatchWriteItem calls in flight at once for one ``write_connections``."""
+
+MAX_ATTEMPTS = 8
+"""Attempts per request (and rounds without progress for unprocessed items)."""
+
+START_ATTEMPTS = 2
+"""Attempts of the reachability check in ``start()``: a wrong endpoint fails fast."""
+
+BACKOFF_BASE_SECONDS = 0.05
+BACKOFF_CAP_SECONDS = 2.0
+
+CONNECT_TIMEOUT_SECONDS = 2.0
+READ_TIMEOUT_SECONDS = 5.0
+
+THROTTLE_CODES = frozenset(
+    {
+        "ProvisionedThroughputExceededException",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+    }
+)
+TRANSIENT_CODES = THROTTLE_CODES | frozenset(
+    {
+        "InternalServerError",
+        "InternalFailure",
+        "ServiceUnavailable",
+        "ServiceUnavailableException",
+        "LimitExceededException",
+    }
+)
+CONDITIONAL_CHECK_FAILED = "ConditionalCheckFailedException"
+RESOURCE_NOT_FOUND = "ResourceNotFoundException"
+RESOURCE_IN_USE = "ResourceInUseException"
+
+RETRIES = REGISTRY.counter(
+    "ap_dynamodb_retries_total", "DynamoDB requests retried after a transient error."
+)
+THROTTLES = REGISTRY.counter(
+    "ap_dynamodb_throttles_total", "DynamoDB requests refused for throttling (then retried)."
+)
+UNPROCESSED = REGISTRY.counter(
+    "ap_dynamodb_unprocessed_items_total",
+    "Items a BatchWriteItem returned unprocessed (then written again).",
+)
+FAILURES = REGISTRY.counter(
+    "ap_dynamodb_failures_total", "DynamoDB requests given up on (raised StoreUnavailable)."
+)
+
+_CONNECTIONS_PK_VALUE: dict[str, Any] = {":pk": {"S": keys.CONNECTIONS_PK}}
+
+
+def _client_config() -> Config:
+    # aiobotocore accepts a plain botocore Config (it wraps it in its AioConfig).
+    return Config(
+        connect_timeout=CONNECT_TIMEOUT_SECONDS,
+        read_timeout=READ_TIMEOUT_SECONDS,
+        retries={"mode": "standard", "total_max_attempts": 1},
+        max_pool_connections=WRITE_CONCURRENCY * 2,
+    )
+
+
+def _where(endpoint_url: str | None, region: str) -> str:
+    return endpoint_url if endpoint_url else f"AWS DynamoDB in {region}"
+
+
+def backoff_delay(attempt: int) -> float:
+    """Seconds to wait before retry number ``attempt`` (1-based): jittered, capped."""
+    ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** (attempt - 1))
+    return random.uniform(ceiling / 2, ceiling)
+
+
+def error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _error_message(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Message", "")) or str(exc)
+
+
+def _is_transient(exc: ClientError) -> bool:
+    if error_code(exc) in TRANSIENT_CODES:
+        return True
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return isinstance(status, int) and status >= 500
+
+
+async def call_with_retry(
+    client: Any,
+    operation: str,
+    *,
+    where: str,
+    table: str,
+    attempts: int = MAX_ATTEMPTS,
+    passthrough: frozenset[str] = frozenset(),
+    **params: Any,
+) -> dict[str, Any]:
+    """Call ``client.<operation>(**params)``, retrying transient errors.
+
+    A ClientError whose code is in ``passthrough`` is re-raised untouched for the
+    caller to handle; every other failure becomes StoreUnavailable.
+    """
+    method = getattr(client, operation)
+    for attempt in range(1, attempts + 1):
+        try:
+            response: dict[str, Any] = await method(**params)
+            return response
+        except ClientError as exc:
+            code = error_code(exc)
+            if code in passthrough:
+                raise
+            if not _is_transient(exc):
+                FAILURES.inc()
+                raise StoreUnavailable(
+                    f"DynamoDB {operation} on table {table!r} at {where} failed: "
+                    f"{code}: {_error_message(exc)}"
+                ) from exc
+            if code in THROTTLE_CODES:
+                THROTTLES.inc()
+            reason = f"{code}: {_error_message(exc)}"
+            last: Exception = exc
+        except (BotoConnectionError, HTTPClientError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            last = exc
+        except BotoCoreError as exc:
+            FAILURES.inc()
+            raise StoreUnavailable(
+                f"DynamoDB {operation} on table {table!r} at {where} failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if attempt == attempts:
+            FAILURES.inc()
+            raise StoreUnavailable(
+                f"DynamoDB {operation} on table {table!r} at {where} failed after "
+                f"{attempts} attempts: {reason}"
+            ) from last
+        delay = backoff_delay(attempt)
+        RETRIES.inc()
+        log.warning(
+            "DynamoDB %s on %r at %s: %s; retry %d/%d in %.2fs",
+            operation,
+            table,
+            where,
+            reason,
+            attempt,
+            attempts - 1,
+            delay,
+        )
+        await asyncio.sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _chunks(items: Sequence[dict[str, Any]], size: int) -> Iterable[list[dict[str, Any]]]:
+    for start in range(0, len(items), size):
+        yield list(items[start : start + size])
+
+
+class DynamoStore:
+    """The Store protocol on a DynamoDB table with string ``pk``/``sk`` keys."""
+
+    def __init__(
+        self,
+        table: str = "abstract-play-dev",
+        region: str = "us-east-1",
+        endpoint_url: str | None = None,
+        *,
+        max_attempts: int = MAX_ATTEMPTS,
+    ) -> None:
+        self.table = table
+        self.region = region
+        self.endpoint_url = endpoint_url
+        self._max_attempts = max_attempts
+        self._where = _where(endpoint_url, region)
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Open the client and check the table with DescribeTable."""
+        if self._client is not None:
+            return
+        stack = contextlib.AsyncExitStack()
+        try:
+            session = aioboto3.Session()
+            client = await stack.enter_async_context(
+                session.client(
+                    "dynamodb",
+                    endpoint_url=self.endpoint_url,
+                    region_name=self.region,
+                    config=_client_config(),
+                )
+            )
+            await self._check_table(client)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        self._client = client
+
+    async def _check_table(self, client: Any) -> None:
+        try:
+            response = await call_with_retry(
+                client,
+                "describe_table",
+                where=self._where,
+                table=self.table,
+                attempts=START_ATTEMPTS,
+                passthrough=frozenset({RESOURCE_NOT_FOUND}),
+                TableName=self.table,
+            )
+        except ClientError as exc:
+            raise StoreUnavailable(
+                f"DynamoDB table {self.table!r} does not exist at {self._where} "
+                f"(create it with `ap-realtime create-table`)"
+            ) from exc
+        except StoreUnavailable as exc:
+            raise StoreUnavailable(
+                f"cannot reach DynamoDB table {self.table!r} at {self._where}: {exc}"
+            ) from exc
+        description = response.get("Table", {})
+        _check_description(description, self.table, self._where)
+
+    async def close(self) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    def _require_client(self) -> Any:
+        if self._client is None:
+            raise StoreUnavailable("DynamoStore used before start() or after close()")
+        return self._client
+
+    async def _call(
+        self, operation: str, *, passthrough: frozenset[str] = frozenset(), **params: Any
+    ) -> dict[str, Any]:
+        return await call_with_retry(
+            self._require_client(),
+            operation,
+            where=self._where,
+            table=self.table,
+            attempts=self._max_attempts,
+            passthrough=passthrough,
+            **params,
+        )
+
+    # -------------------------------------------------------------------- writes
+
+    async def write_connections(
+        self, puts: Sequence[ConnectionRecord], deletes: Sequence[str]
+    ) -> None:
+        # Keyed by connection id: one request per key, as BatchWriteItem demands
+        # (a delete after a put of the same id wins, as in the memory store).
+        requests: dict[str, dict[str, Any]] = {}
+        for record in puts:
+            requests[record.connection_id] = {"PutRequest": {"Item": keys.to_item(record)}}
+        for connection_id in deletes:
+            requests[connection_id] = {"DeleteRequest": {"Key": keys.connection_key(connection_id)}}
+        await self._batch_write(list(requests.values()))
+
+    async def _batch_write(self, requests: Sequence[dict[str, Any]]) -> None:
+        if not requests:
+            return
+        chunks = list(_chunks(requests, BATCH_WRITE_LIMIT))
+        if len(chunks) == 1:
+            await self._write_chunk(chunks[0])
+            return
+        limit = asyncio.Semaphore(WRITE_CONCURRENCY)
+
+        async def write(chunk: list[dict[str, Any]]) -> None:
+            async with limit:
+                await self._write_chunk(chunk)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for chunk in chunks:
+                    group.create_task(write(chunk))
+        except ExceptionGroup as group_error:
+            first = group_error.exceptions[0]
+            if isinstance(first, StoreUnavailable):
+                raise first from group_error
+            raise
+
+    async def _write_chunk(self, chunk: list[dict[str, Any]]) -> None:
+        """One BatchWriteItem, then its UnprocessedItems again until none are left."""
+        pending = chunk
+        stalled = 0
+        while pending:
+            response = await self._call("batch_write_item", RequestItems={self.table: pending})
+            unprocessed: list[dict[str, Any]] = response.get("UnprocessedItems", {}).get(
+                self.table, []
+            )
+            if not unprocessed:
+                return
+            UNPROCESSED.inc(len(unprocessed))
+            stalled = stalled + 1 if len(unprocessed) >= len(pending) else 1
+            if stalled >= self._max_attempts:
+                FAILURES.inc()
+                raise StoreUnavailable(
+                    f"DynamoDB batch_write_item on table {self.table!r} at {self._where}: "
+                    f"{len(unprocessed)} items still unprocessed after {stalled} rounds"
+                )
+            delay = backoff_delay(stalled)
+            RETRIES.inc()
+            log.warning(
+                "DynamoDB batch_write_item on %r: %d of %d items unprocessed; retry in %.2fs",
+                self.table,
+                len(unprocessed),
+                len(pending),
+                delay,
+            )
+            await asyncio.sleep(delay)
+            pending = unprocessed
+
+    async def _update_if_exists(self, connection_id: str, **params: Any) -> None:
+        """UpdateItem on a connection row that must already exist; else a no-op."""
+        names: dict[str, str] = params.pop("ExpressionAttributeNames", {})
+        try:
+            await self._call(
+                "update_item",
+                passthrough=frozenset({CONDITIONAL_CHECK_FAILED}),
+                TableName=self.table,
+                Key=keys.connection_key(connection_id),
+                ConditionExpression="attribute_exists(#pk)",
+                ExpressionAttributeNames={"#pk": keys.PK, **names},
+                **params,
+            )
+        except ClientError as exc:
+            if error_code(exc) != CONDITIONAL_CHECK_FAILED:
+                raise
+            # The row is gone (closed, or deleted by the node): never resurrect it.
+
+    async def update_watch(
+        self, connection_id: str, games: frozenset[str], watch_version: int, ttl: int
+    ) -> None:
+        names = {"#wv": keys.WATCH_VERSION, "#ttl": keys.TTL, "#wg": keys.WATCHING_GAMES}
+        values: dict[str, Any] = {":wv": keys.number(watch_version), ":ttl": keys.number(ttl)}
+        if games:
+            values[":wg"] = keys.string_set(games)
+            expression = "SET #wv = :wv, #ttl = :ttl, #wg = :wg"
+        else:
+            expression = "SET #wv = :wv, #ttl = :ttl REMOVE #wg"
+        await self._update_if_exists(
+            connection_id,
+            UpdateExpression=expression,
+            ExpressionAttributeNames=names,
+            ExpressionAttributeValues=values,
+        )
+
+    async def refresh_ttl(self, connection_id: str, ttl: int) -> None:
+        await self._update_if_exists(
+            connection_id,
+            UpdateExpression="SET #ttl = :ttl",
+            ExpressionAttributeNames={"#ttl": keys.TTL},
+            ExpressionAttributeValues={":ttl": keys.number(ttl)},
+        )
+
+    # --------------------------------------------------------------------- reads
+
+    async def get_connection(self, connection_id: str) -> ConnectionRecord | None:
+        response = await self._call(
+            "get_item",
+            TableName=self.table,
+            Key=keys.connection_key(connection_id),
+            ConsistentRead=True,
+        )
+        item = response.get("Item")
+        if not item:
+            return None
+        record = self._parse(item)
+        if record is None or record.ttl <= time.time():
+            return None
+        return record
+
+    async def list_connections(self) -> list[ConnectionRecord]:
+        now = time.time()
+        records: list[ConnectionRecord] = []
+        async for item in self._query_connections():
+            record = self._parse(item)
+            if record is not None and record.ttl > now:
+                records.append(record)
+        return records
+
+    def _parse(self, item: keys.Item) -> ConnectionRecord | None:
+        try:
+            return keys.from_item(item)
+        except ValueError:
+            log.warning("skipping malformed wsConnections row in %r: %r", self.table, item)
+            return None
+
+    async def _query_connections(self, **extra: Any) -> AsyncIterator[keys.Item]:
+        """Every ``pk=wsConnections`` item, page by page."""
+        names: dict[str, str] = {"#pk": keys.PK, **extra.pop("ExpressionAttributeNames", {})}
+        values: dict[str, Any] = {
+            **_CONNECTIONS_PK_VALUE,
+            **extra.pop("ExpressionAttributeValues", {}),
+        }
+        params: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "#pk = :pk",
+            "ExpressionAttributeNames": names,
+            "ExpressionAttributeValues": values,
+            "ConsistentRead": True,
+            **extra,
+        }
+        while True:
+            response = await self._call("query", **params)
+            for item in response.get("Items", []):
+                yield item
+            last_key = response.get("LastEvaluatedKey")
+            if not last_key:
+                return
+            params["ExclusiveStartKey"] = last_key
+
+    async def delete_endpoint_connections(self, endpoint: str) -> int:
+        connection_ids: list[str] = []
+        async for item in self._query_connections(
+            FilterExpression="#ep = :ep",
+            ProjectionExpression="#sk",
+            ExpressionAttributeNames={"#ep": keys.ENDPOINT, "#sk": keys.SK},
+            ExpressionAttributeValues={":ep": {"S": endpoint}},
+        ):
+            connection_ids.append(item[keys.SK]["S"])
+        await self._batch_write(
+            [{"DeleteRequest": {"Key": keys.connection_key(cid)}} for cid in connection_ids]
+        )
+        if connection_ids:
+            log.info(
+                "deleted %d wsConnections rows of endpoint %s from %r",
+                len(connection_ids),
+                endpoint,
+                self.table,
+            )
+        return len(connection_ids)
+
+    # ------------------------------------------------------------ presence counter
+
+    async def next_presence_seq(self) -> int:
+        response = await self._call(
+            "update_item",
+            TableName=self.table,
+            Key=keys.presence_seq_key(),
+            UpdateExpression="ADD #seq :one",
+            ExpressionAttributeNames={"#seq": keys.SEQ},
+            ExpressionAttributeValues={":one": keys.number(1)},
+            ReturnValues="UPDATED_NEW",
+        )
+        seq = keys.parse_int(response.get("Attributes", {}).get(keys.SEQ))
+        if seq is None:
+            raise StoreUnavailable(
+                f"DynamoDB update_item on {keys.META_PK}/{keys.PRESENCE_SEQ_SK} in table "
+                f"{self.table!r} returned no seq: {response.get('Attributes')!r}"
+            )
+        return seq
+
+    async def current_presence_seq(self) -> int:
+        response = await self._call(
+            "get_item",
+            TableName=self.table,
+            Key=keys.presence_seq_key(),
+            ConsistentRead=True,
+            ProjectionExpression="#seq",
+            ExpressionAttributeNames={"#seq": keys.SEQ},
+        )
+        return keys.parse_int(response.get("Item", {}).get(keys.SEQ)) or 0
+
+
+def _check_description(description: dict[str, Any], table: str, where: str) -> None:
+    """Raise StoreUnavailable unless the table is usable and keyed ``pk``/``sk``."""
+    status = description.get("TableStatus")
+    if status not in ("ACTIVE", "UPDATING"):
+        raise StoreUnavailable(f"DynamoDB table {table!r} at {where} is {status}, not ACTIVE")
+    schema = {k.get("AttributeName"): k.get("KeyType") for k in description.get("KeySchema", [])}
+    if schema != {keys.PK: "HASH", keys.SK: "RANGE"}:
+        raise StoreUnavailable(
+            f"DynamoDB table {table!r} at {where} has key schema {schema}; "
+            f"expected pk (HASH) and sk (RANGE)"
+        )
+
+
+# ----------------------------------------------------------------------- table setup
+
+TABLE_WAIT_DELAY_SECONDS = 1
+TABLE_WAIT_MAX_ATTEMPTS = 120
+
+
+async def create_table(
+    endpoint_url: str | None, table: str = "abstract-play-dev", region: str = "us-east-1"
+) -> None:
+    """Create the table (pk/sk strings, on demand) and enable TTL on ``ttl``.
+
+    Idempotent: an existing table is kept (its key schema is checked) and TTL is
+    still ensured. Raises StoreUnavailable when DynamoDB cannot be reached or
+    refuses, or when TTL is already enabled on another attribute.
+    """
+    where = _where(endpoint_url, region)
+    session = aioboto3.Session()
+    async with session.client(
+        "dynamodb", endpoint_url=endpoint_url, region_name=region, config=_client_config()
+    ) as client:
+        try:
+            await call_with_retry(
+                client,
+                "create_table",
+                where=where,
+                table=table,
+                passthrough=frozenset({RESOURCE_IN_USE}),
+                TableName=table,
+                AttributeDefinitions=[
+                    {"AttributeName": keys.PK, "AttributeType": "S"},
+                    {"AttributeName": keys.SK, "AttributeType": "S"},
+                ],
+                KeySchema=[
+                    {"AttributeName": keys.PK, "KeyType": "HASH"},
+                    {"AttributeName": keys.SK, "KeyType": "RANGE"},
+                ],
+                BillingMode="PAY_PER_REQUEST",
+            )
+            log.info("created DynamoDB table %r at %s", table, where)
+        except ClientError:
+            log.info("DynamoDB table %r already exists at %s", table, where)
+
+        waiter = client.get_waiter("table_exists")
+        try:
+            await waiter.wait(
+                TableName=table,
+                WaiterConfig={
+                    "Delay": TABLE_WAIT_DELAY_SECONDS,
+                    "MaxAttempts": TABLE_WAIT_MAX_ATTEMPTS,
+                },
+            )
+        except BotoCoreError as exc:  # WaiterError
+            raise StoreUnavailable(
+                f"DynamoDB table {table!r} at {where} did not become ACTIVE: {exc}"
+            ) from exc
+        described = await call_with_retry(
+            client, "describe_table", where=where, table=table, TableName=table
+        )
+        _check_description(described.get("Table", {}), table, where)
+
+        ttl = await call_with_retry(
+            client, "describe_time_to_live", where=where, table=table, TableName=table
+        )
+        ttl_description = ttl.get("TimeToLiveDescription", {})
+        status = ttl_description.get("TimeToLiveStatus", "DISABLED")
+        attribute = ttl_description.get("AttributeName")
+        if status in ("ENABLED", "ENABLING"):
+            if attribute != keys.TTL:
+                raise StoreUnavailable(
+                    f"DynamoDB table {table!r} at {where} has TTL on {attribute!r}, "
+                    f"not {keys.TTL!r}; connection rows would never expire"
+                )
+            return
+        await call_with_retry(
+            client,
+            "update_time_to_live",
+            where=where,
+            table=table,
+            TableName=table,
+            TimeToLiveSpecification={"Enabled": True, "AttributeName": keys.TTL},
+        )
+        log.info("enabled TTL on attribute %r of DynamoDB table %r", keys.TTL, table)
