@@ -74,3 +74,26 @@ class Registry:
 
 
 REGISTRY = Registry()
+
+
+def _process_cpu_seconds() -> float:
+    import os
+
+    times = os.times()
+    return times.user + times.system
+
+
+def _process_rss_bytes() -> float:
+    # /proc is Linux-only; elsewhere the gauge reads 0 rather than failing a scrape.
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+    except OSError:
+        return 0.0
+    import resource
+
+    return float(pages * resource.getpagesize())
+
+
+REGISTRY.gauge("process_cpu_seconds_total", "User and system CPU seconds", _process_cpu_seconds)
+REGISTRY.gauge("process_resident_memory_bytes", "Resident set size", _process_rss_bytes)
