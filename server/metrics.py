@@ -62,15 +62,19 @@ class Registry:
             lines += [
                 f"# HELP {counter.name} {counter.help}",
                 f"# TYPE {counter.name} counter",
-                f"{counter.name} {counter.value:g}",
+                f"{counter.name} {_number(counter.value)}",
             ]
         for gauge in self._gauges.values():
             lines += [
                 f"# HELP {gauge.name} {gauge.help}",
                 f"# TYPE {gauge.name} gauge",
-                f"{gauge.name} {gauge.read():g}",
+                f"{gauge.name} {_number(gauge.read())}",
             ]
         return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 REGISTRY = Registry()
