@@ -76,9 +76,14 @@ def _parse_subscribe(message: Mapping[str, Any]) -> Subscribe:
         raise ProtocolError(ErrorCode.UNAUTHORIZED, "token is too long")
     watch_version = message.get("watchVersion")
     if watch_version is not None and (
-        isinstance(watch_version, bool) or not isinstance(watch_version, int)
+        isinstance(watch_version, bool)
+        or not isinstance(watch_version, int)
+        or not 0 <= watch_version <= MAX_WATCH_VERSION
     ):
-        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "'watchVersion' must be a number")
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE,
+            f"'watchVersion' must be a whole number from 0 to {MAX_WATCH_VERSION}",
+        )
     return Subscribe(
         token=token,
         invisible=_parse_bool(message, "invisible", default=False),
@@ -86,6 +91,9 @@ def _parse_subscribe(message: Mapping[str, Any]) -> Subscribe:
         watch_version=watch_version,
         games=_parse_games(message.get("games"), required=False),
     )
+
+
+MAX_WATCH_VERSION = 1000
 
 
 def _parse_bool(message: Mapping[str, Any], name: str, *, default: bool) -> bool:

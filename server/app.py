@@ -59,9 +59,10 @@ def build_store(settings: Settings) -> Store:
     return MemoryStore()
 
 
-async def build_node(settings: Settings) -> Node:
+async def build_node(settings: Settings, store: Store | None = None) -> Node:
     """A node ready to ``start()``: memory parts by default, shared ones when configured."""
-    store = build_store(settings)
+    if store is None:
+        store = build_store(settings)
     bus: Bus
     backend: PresenceBackend
     if settings.redis_url is not None:
@@ -73,7 +74,7 @@ async def build_node(settings: Settings) -> Node:
     else:
         memory_bus = MemoryBus()
         bus = memory_bus
-        backend = MemoryPresenceBackend(memory_bus, settings.node_id)
+        backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
     return Node(settings, store, bus, backend, build_authenticator(settings))
 
 
@@ -134,6 +135,7 @@ async def start_listeners(node: Node) -> tuple[Server, web.AppRunner]:
         max_size=MAX_FRAME_BYTES,
         ping_interval=settings.ping_interval,
         ping_timeout=settings.ping_timeout,
+        close_timeout=settings.close_timeout,
         backlog=settings.listen_backlog,
     )
     runner = web.AppRunner(build_app(node), access_log=None)
@@ -149,6 +151,10 @@ def bound_port(server: Server) -> int:
 
 
 async def serve_forever(settings: Settings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
     node = await build_node(settings)
     await node.start()
     ws_server, runner = await start_listeners(node)
@@ -164,10 +170,6 @@ async def serve_forever(settings: Settings) -> None:
         settings.store,
         "on" if node.authenticator.enabled else "OFF (no --dev-jwt-secret or Cognito set)",
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     log.info("shutting down: closing sessions and deleting this node's rows")
     ws_server.close(close_connections=False)

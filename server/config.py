@@ -32,6 +32,7 @@ class Settings:
     outbox_limit_bytes: int = 1024 * 1024
     ping_interval: float = 20.0
     ping_timeout: float = 20.0
+    close_timeout: float = 5.0
     listen_backlog: int = 4096
     ttl_refresh_seconds: float = 3600.0
     dynamodb_endpoint: str | None = None
@@ -67,6 +68,7 @@ _HELP: dict[str, str] = {
     "outbox_limit_bytes": "bytes a client may have unsent before it is closed as slow",
     "ping_interval": "seconds between keepalive pings",
     "ping_timeout": "seconds to wait for a pong before dropping the peer",
+    "close_timeout": "seconds to wait for a closing handshake before dropping the socket",
     "listen_backlog": "listen(2) backlog of the WebSocket listener, for connect storms",
     "ttl_refresh_seconds": "how often live connections push their row's ttl forward",
     "dynamodb_endpoint": "DynamoDB endpoint URL; implies --store dynamodb",

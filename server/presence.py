@@ -84,14 +84,17 @@ class PresenceBackend(Protocol):
 class MemoryPresenceBackend:
     """One process is the whole cluster: its node is always the writer."""
 
-    def __init__(self, bus: Bus, node_id: str, initial_seq: int = 0) -> None:
+    def __init__(self, bus: Bus, store: Store, node_id: str) -> None:
         self._bus = bus
+        self._store = store
         self._node_id = node_id
         self._live: UserStates = {}
-        self._committed = CommittedPresence(seq=initial_seq)
+        self._committed = CommittedPresence(seq=0)
 
     async def start(self) -> None:
-        return None
+        # Users do not outlive the process, but the seq does: clients that
+        # reconnect must never see it go backwards.
+        self._committed = CommittedPresence(seq=await self._store.current_presence_seq())
 
     async def close(self) -> None:
         return None

@@ -1,0 +1,111 @@
+"""Fixtures: a real node on 127.0.0.1 with real sockets, embedded default."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from server.app import bound_port, build_node, start_listeners
+from server.config import Settings
+from server.node import Node
+from server.store.base import Store
+from tests.client import DEV_SECRET, Client
+
+PUBLISH_SECRET = "publish-secret-for-tests"
+
+TEST_SETTINGS = Settings(
+    port=0,
+    http_port=0,
+    node_id="test-node",
+    dev_jwt_secret=DEV_SECRET,
+    publish_secret=PUBLISH_SECRET,
+    presence_debounce_ms=150,
+)
+
+
+@dataclass
+class RunningServer:
+    node: Node
+    ws_url: str
+    http_url: str
+    clients: list[Client]
+
+    async def client(self, **kwargs: Any) -> Client:
+        client = await Client.open(self.ws_url, **kwargs)
+        self.clients.append(client)
+        return client
+
+    async def subscribed(self, user_id: str, **kwargs: Any) -> Client:
+        client = await self.client()
+        await client.subscribe(user_id, **kwargs)
+        return client
+
+    async def http(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        secret: str | None = PUBLISH_SECRET,
+        raw: bytes | None = None,
+    ) -> tuple[int, dict[str, Any] | str]:
+        """One request to the internal HTTP listener, off the event loop."""
+        import asyncio
+
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        request = urllib.request.Request(self.http_url + path, data=data, method=method)
+        if secret is not None:
+            request.add_header("Authorization", f"Bearer {secret}")
+
+        def call() -> tuple[int, dict[str, Any] | str]:
+            try:
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    status, text = response.status, response.read().decode()
+            except urllib.error.HTTPError as error:
+                status, text = error.code, error.read().decode()
+            try:
+                return status, json.loads(text)
+            except ValueError:
+                return status, text
+
+        return await asyncio.to_thread(call)
+
+    async def publish(self, body: Any, **kwargs: Any) -> tuple[int, dict[str, Any] | str]:
+        return await self.http("POST", "/publish", body, **kwargs)
+
+
+async def run_server(
+    settings: Settings, store: Store | None = None
+) -> AsyncIterator[RunningServer]:
+    node = await build_node(settings, store)
+    await node.start()
+    ws_server, runner = await start_listeners(node)
+    http_port = runner.addresses[0][1]
+    running = RunningServer(
+        node=node,
+        ws_url=f"ws://127.0.0.1:{bound_port(ws_server)}/",
+        http_url=f"http://127.0.0.1:{http_port}",
+        clients=[],
+    )
+    try:
+        yield running
+    finally:
+        for client in running.clients:
+            await client.close()
+        ws_server.close(close_connections=False)
+        await node.stop()
+        await ws_server.wait_closed()
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def server(request: pytest.FixtureRequest) -> AsyncIterator[RunningServer]:
+    overrides = getattr(request, "param", {})
+    async for running in run_server(dataclasses.replace(TEST_SETTINGS, **overrides)):
+        yield running

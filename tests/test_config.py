@@ -1,0 +1,63 @@
+"""Settings: flags, their AP_* variables, defaults and refusals."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from server import config
+
+
+def parse(argv: list[str], environ: dict[str, str]) -> config.Settings:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    return config.load(parser.parse_args(argv), environ)
+
+
+def test_defaults_are_the_embedded_single_node() -> None:
+    settings = parse([], {})
+    assert (settings.host, settings.port, settings.http_port) == ("127.0.0.1", 8765, 8766)
+    assert settings.store == "memory" and settings.redis_url is None
+    assert settings.presence_debounce_ms == 1000
+    assert settings.node_id  # the host name
+
+
+def test_every_flag_has_an_environment_variable_and_flags_win() -> None:
+    environ = {
+        "AP_PORT": "9000",
+        "AP_HTTP_PORT": "9001",
+        "AP_HOST": "0.0.0.0",
+        "AP_PRESENCE_DEBOUNCE_MS": "250",
+        "AP_DEV_JWT_SECRET": "x" * 32,
+        "AP_PUBLISH_SECRET": "p",
+        "AP_NODE_ID": "node-a",
+    }
+    settings = parse(["--port", "9100"], environ)
+    assert settings.port == 9100
+    assert settings.http_port == 9001 and settings.host == "0.0.0.0"
+    assert settings.presence_debounce_ms == 250
+    assert settings.dev_jwt_secret == "x" * 32 and settings.publish_secret == "p"
+    assert settings.node_id == "node-a"
+
+
+def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
+    settings = parse(["--dynamodb-endpoint", "http://127.0.0.1:5000"], {})
+    assert settings.store == "dynamodb"
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        ([], {"AP_PORT": "eighty"}, "AP_PORT"),
+        (["--store", "sqlite"], {}, "memory or dynamodb"),
+        (["--redis-url", "redis://127.0.0.1:1"], {}, "shared store"),
+        (["--cognito-issuer", "https://x"], {}, "go together"),
+        (["--presence-debounce-ms", "-1"], {}, "negative"),
+    ],
+)
+def test_bad_settings_are_refused_clearly(
+    argv: list[str], environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(SystemExit, match=message):
+        parse(argv, environ)

@@ -1,0 +1,323 @@
+"""protocol/: parsing, validation and codecs, with plain values and hypothesis."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol import codec
+from protocol.codec import Frame
+from protocol.envelope import EnvelopeError, PresenceHint, decode_envelope, encode_envelope
+from protocol.errors import MAX_WATCHED_GAMES, ErrorCode, ProtocolError
+from protocol.messages import (
+    AdminTest,
+    Broadcast,
+    GameEvent,
+    PresenceDelta,
+    PresenceSnapshot,
+    Subscribe,
+    SyncPresence,
+    WatchGames,
+)
+from protocol.parse import parse_broadcast, parse_client_frame, parse_client_message
+
+ACTIONS = (Subscribe, WatchGames, SyncPresence)
+
+
+def error_of(data: Any) -> ProtocolError:
+    with pytest.raises(ProtocolError) as caught:
+        if isinstance(data, str | bytes):
+            parse_client_frame(data)
+        else:
+            parse_client_message(data)
+    return caught.value
+
+
+# --- client actions ---------------------------------------------------------
+
+
+def test_subscribe_as_the_browser_sends_it() -> None:
+    action = parse_client_frame(
+        json.dumps(
+            {
+                "action": "subscribe",
+                "token": "t",
+                "invisible": True,
+                "watchVersion": 1,
+                "games": [{"meta": "chess", "id": "g1"}, {"meta": "go", "id": "g2"}],
+            }
+        )
+    )
+    assert action == Subscribe(
+        token="t",
+        invisible=True,
+        wants_presence=True,
+        watch_version=1,
+        games=frozenset({"chess#g1", "go#g2"}),
+    )
+
+
+def test_subscribe_defaults_for_a_legacy_client() -> None:
+    action = parse_client_frame('{"action":"subscribe","token":"t"}')
+    assert action == Subscribe(token="t")
+    assert isinstance(action, Subscribe)
+    assert action.games is None and action.watch_version is None and action.wants_presence
+
+
+def test_unknown_extra_fields_are_ignored() -> None:
+    action = parse_client_frame('{"action":"syncPresence","extra":{"a":[1,2]},"x":1}')
+    assert action == SyncPresence()
+
+
+def test_game_refs_missing_a_field_are_ignored() -> None:
+    action = parse_client_message(
+        {
+            "action": "watchGames",
+            "games": [
+                {"meta": "chess"},
+                {"id": "g1"},
+                {"meta": "", "id": "g"},
+                {"meta": 5, "id": "g"},
+                "chess#g1",
+                {"meta": "chess", "id": "g1", "extra": True},
+            ],
+        }
+    )
+    assert action == WatchGames(games=frozenset({"chess#g1"}))
+
+
+def test_watch_games_needs_a_list() -> None:
+    assert error_of({"action": "watchGames"}).code is ErrorCode.INVALID_MESSAGE
+    assert error_of({"action": "watchGames", "games": {}}).code is ErrorCode.INVALID_MESSAGE
+
+
+def test_watch_list_is_capped() -> None:
+    games = [{"meta": "m", "id": str(i)} for i in range(MAX_WATCHED_GAMES + 1)]
+    error = error_of({"action": "watchGames", "games": games})
+    assert error.code is ErrorCode.TOO_MANY_GAMES
+    assert str(MAX_WATCHED_GAMES) in error.message
+    at_cap = parse_client_message({"action": "watchGames", "games": games[:-1]})
+    assert isinstance(at_cap, WatchGames) and len(at_cap.games) == MAX_WATCHED_GAMES
+
+
+def test_overlong_game_fields_are_ignored() -> None:
+    action = parse_client_message(
+        {
+            "action": "watchGames",
+            "games": [{"meta": "m" * 129, "id": "1"}, {"meta": "m", "id": "2"}],
+        }
+    )
+    assert action == WatchGames(games=frozenset({"m#2"}))
+
+
+def test_lone_surrogates_are_not_game_refs() -> None:
+    action = parse_client_frame('{"action":"watchGames","games":[{"meta":"\\ud800","id":"1"}]}')
+    assert action == WatchGames(games=frozenset())
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        ("not json", ErrorCode.INVALID_FRAME),
+        ("[" * 5000, ErrorCode.INVALID_FRAME),
+        (b"\xc1", ErrorCode.INVALID_FRAME),
+        ("[]", ErrorCode.INVALID_MESSAGE),
+        ('"subscribe"', ErrorCode.INVALID_MESSAGE),
+        ("{}", ErrorCode.INVALID_MESSAGE),
+        ('{"action":7}', ErrorCode.INVALID_MESSAGE),
+        ('{"action":"dance"}', ErrorCode.UNKNOWN_ACTION),
+        ('{"action":"subscribe"}', ErrorCode.UNAUTHORIZED),
+        ('{"action":"subscribe","token":""}', ErrorCode.UNAUTHORIZED),
+        ('{"action":"subscribe","token":"t","invisible":"yes"}', ErrorCode.INVALID_MESSAGE),
+        ('{"action":"subscribe","token":"t","watchVersion":"1"}', ErrorCode.INVALID_MESSAGE),
+        ('{"action":"subscribe","token":"t","watchVersion":true}', ErrorCode.INVALID_MESSAGE),
+        ('{"action":"subscribe","token":"t","watchVersion":1e400}', ErrorCode.INVALID_MESSAGE),
+        ('{"action":"subscribe","token":"t","watchVersion":9999999}', ErrorCode.INVALID_MESSAGE),
+        ('{"action":"subscribe","token":"t","wantsPresence":0}', ErrorCode.INVALID_MESSAGE),
+    ],
+)
+def test_bad_frames_get_a_clear_error(data: str | bytes, code: ErrorCode) -> None:
+    error = error_of(data)
+    assert error.code is code
+    assert error.message
+
+
+def test_unknown_action_names_it() -> None:
+    assert '"dance"' in error_of('{"action":"dance"}').message
+
+
+def test_msgpack_frames_parse_like_json() -> None:
+    data = msgpack.packb({"action": "watchGames", "games": [{"meta": "a", "id": "b"}]})
+    assert parse_client_frame(data) == WatchGames(games=frozenset({"a#b"}))
+
+
+@settings(max_examples=500)
+@given(st.binary(max_size=512))
+def test_any_bytes_give_an_action_or_a_clean_error(data: bytes) -> None:
+    try:
+        assert isinstance(parse_client_frame(data), ACTIONS)
+    except ProtocolError as error:
+        assert isinstance(error.code, ErrorCode) and error.message
+
+
+@settings(max_examples=500)
+@given(st.text(max_size=512))
+def test_any_text_gives_an_action_or_a_clean_error(data: str) -> None:
+    try:
+        assert isinstance(parse_client_frame(data), ACTIONS)
+    except ProtocolError as error:
+        assert isinstance(error.code, ErrorCode) and error.message
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
+    ),
+    max_leaves=30,
+)
+action_like = st.fixed_dictionaries(
+    {"action": st.sampled_from(["subscribe", "watchGames", "syncPresence", "other"])},
+    optional={
+        "token": json_values,
+        "invisible": json_values,
+        "watchVersion": json_values,
+        "wantsPresence": json_values,
+        "games": st.lists(
+            st.fixed_dictionaries({}, optional={"meta": json_values, "id": json_values}),
+            max_size=5,
+        )
+        | json_values,
+    },
+)
+
+
+@settings(max_examples=300)
+@given(st.one_of(json_values, action_like))
+def test_any_decoded_value_gives_an_action_or_a_clean_error(value: Any) -> None:
+    frames: list[str | bytes] = [json.dumps(value)]
+    with contextlib.suppress(OverflowError):  # msgpack has no integers over 64 bits
+        frames.append(msgpack.packb(value))
+    for frame in frames:
+        try:
+            action = parse_client_frame(frame)
+        except ProtocolError as error:
+            assert isinstance(error.code, ErrorCode)
+            continue
+        assert isinstance(action, ACTIONS)
+        if isinstance(action, Subscribe):
+            assert isinstance(action.token, str) and action.token
+        if isinstance(action, WatchGames | Subscribe) and action.games is not None:
+            assert all(isinstance(key, str) and "#" in key for key in action.games)
+
+
+# --- backend broadcasts -----------------------------------------------------
+
+
+def test_broadcast_of_a_move() -> None:
+    message = parse_broadcast(
+        b'{"verb":"game","payload":{"meta":"chess","id":"g1","extra":1},"exclude":["u1"]}'
+    )
+    assert isinstance(message.event, GameEvent)
+    assert message.event.key == "chess#g1"
+    assert message.event.payload == {"meta": "chess", "id": "g1", "extra": 1}
+    assert message.exclude == frozenset({"u1"})
+
+
+def test_broadcast_of_chat_and_test() -> None:
+    chat = parse_broadcast('{"verb":"chat","payload":{"meta":"go","id":"7"}}')
+    assert isinstance(chat.event, GameEvent) and chat.event.verb == "chat"
+    test = parse_broadcast('{"verb":"test","payload":"hello"}')
+    assert test == Broadcast(event=AdminTest(payload="hello"))
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"{", "JSON"),
+        (b"[]", "object"),
+        (b'{"verb":"dance","payload":{}}', '"dance"'),
+        (b'{"payload":{}}', "verb"),
+        (b'{"verb":"game","payload":{"meta":"m"}}', "'meta' and 'id'"),
+        (b'{"verb":"game","payload":{"id":"1"}}', "'meta' and 'id'"),
+        (b'{"verb":"game","payload":[]}', "object"),
+        (b'{"verb":"game","payload":{"meta":"m","id":"1"},"exclude":"u"}', "exclude"),
+        (b'{"verb":"test","payload":18446744073709551616}', "encoded"),
+    ],
+)
+def test_bad_broadcasts_are_refused_with_a_reason(body: bytes, fragment: str) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_broadcast(body)
+    assert fragment in caught.value.message
+
+
+# --- codec ------------------------------------------------------------------
+
+
+def test_frames_match_the_live_wire_format() -> None:
+    snapshot = Frame(PresenceSnapshot(seq=4, total_count=3, visible_user_ids=("a", "b")))
+    assert json.loads(snapshot.text) == {
+        "verb": "connections",
+        "payload": {"type": "snapshot", "seq": 4, "totalCount": 3, "visibleUserIds": ["a", "b"]},
+    }
+    delta = Frame(PresenceDelta(seq=5, joins=("c",), leaves=("a",), total_count=3))
+    assert json.loads(delta.text) == {
+        "verb": "connections",
+        "payload": {"type": "delta", "seq": 5, "joins": ["c"], "leaves": ["a"], "totalCount": 3},
+    }
+    assert msgpack.unpackb(delta.binary) == json.loads(delta.text)
+
+
+def test_a_frame_is_encoded_once_per_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    original = codec.to_wire
+
+    def counting(message: Any) -> Any:
+        calls.append(message)
+        return original(message)
+
+    monkeypatch.setattr(codec, "to_wire", counting)
+    frame = Frame(AdminTest(payload={"x": 1}))
+    first = frame.text_utf8
+    for _ in range(100):
+        assert frame.text_utf8 is first
+        assert frame.binary is frame.binary
+    assert len(calls) == 1
+
+
+# --- envelopes --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "envelope",
+    [
+        Broadcast(
+            event=GameEvent(verb="chat", meta="m", game_id="1", payload={"meta": "m", "id": "1"}),
+            exclude=frozenset({"a", "b"}),
+        ),
+        Broadcast(event=AdminTest(payload=[1, "x"])),
+        PresenceDelta(seq=9, joins=("a",), leaves=(), total_count=4),
+        PresenceHint(node_id="n1", user_ids=("a", "b")),
+    ],
+)
+def test_envelopes_round_trip(envelope: Any) -> None:
+    decoded = decode_envelope(encode_envelope(envelope))
+    assert decoded == envelope
+    if isinstance(envelope, Broadcast):
+        assert decoded.event.payload == envelope.event.payload  # type: ignore[union-attr]
+
+
+def test_envelopes_carry_a_version_and_refuse_others() -> None:
+    body = msgpack.unpackb(encode_envelope(PresenceHint(node_id="n", user_ids=())))
+    assert body["v"] == 1
+    body["v"] = 2
+    with pytest.raises(EnvelopeError, match="version"):
+        decode_envelope(msgpack.packb(body))
+    with pytest.raises(EnvelopeError):
+        decode_envelope(b"\x00garbage")
