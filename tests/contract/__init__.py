@@ -1,0 +1,1 @@
+"""The Store contract suite, run against every implementation."""

@@ -1,0 +1,1 @@
+"""Tests of the DynamoDB store against a real (moto) DynamoDB endpoint."""

@@ -1,0 +1,419 @@
+"""DynamoStore against a real DynamoDB endpoint (moto over HTTP).
+
+Rows written through the store are read back with plain boto3, so the on-disk
+shape (attribute names and DynamoDB types) is checked independently of the
+store's own decoding. Throttling and unprocessed items, which moto never
+produces, come from ``DynamoFaultProxy``: a real HTTP proxy in front of moto.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import boto3
+import pytest
+
+from server.metrics import REGISTRY
+from server.store import ConnectionRecord, StoreUnavailable, keys, ttl_from_now
+from server.store.dynamodb import DynamoStore, create_table
+from tests.services import DynamoFaultProxy, dynamodb_endpoint_for_tests
+
+REGION = "us-east-1"
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    with dynamodb_endpoint_for_tests() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def raw(endpoint: str) -> Any:
+    """A plain, synchronous boto3 client on the same endpoint."""
+    return boto3.client("dynamodb", endpoint_url=endpoint, region_name=REGION)
+
+
+@pytest.fixture
+async def table(endpoint: str) -> str:
+    name = f"schema-{uuid.uuid4().hex[:12]}"
+    await create_table(endpoint, name, REGION)
+    return name
+
+
+@pytest.fixture
+async def store(endpoint: str, table: str) -> AsyncIterator[DynamoStore]:
+    impl = DynamoStore(table=table, region=REGION, endpoint_url=endpoint)
+    await impl.start()
+    try:
+        yield impl
+    finally:
+        await impl.close()
+
+
+def connection_row(raw: Any, table: str, connection_id: str) -> dict[str, Any] | None:
+    response = raw.get_item(
+        TableName=table,
+        Key={"pk": {"S": "wsConnections"}, "sk": {"S": connection_id}},
+        ConsistentRead=True,
+    )
+    item: dict[str, Any] | None = response.get("Item")
+    return item
+
+
+def sample(connection_id: str = "conn-1", **changes: Any) -> ConnectionRecord:
+    fields: dict[str, Any] = {
+        "connection_id": connection_id,
+        "user_id": "user-1",
+        "invisible": True,
+        "endpoint": "http://10.0.0.7:8080",
+        "wants_presence": False,
+        "watch_version": 1,
+        "watching_games": frozenset({"chess#123", "go#9"}),
+        "ttl": 1_900_000_000,
+    }
+    fields.update(changes)
+    return ConnectionRecord(**fields)
+
+
+# ----------------------------------------------------------------- row shape
+
+
+async def test_connection_row_has_every_attribute_with_its_type(
+    store: DynamoStore, raw: Any, table: str
+) -> None:
+    await store.write_connections([sample()], [])
+    assert connection_row(raw, table, "conn-1") == {
+        "pk": {"S": "wsConnections"},
+        "sk": {"S": "conn-1"},
+        "connectionId": {"S": "conn-1"},
+        "userId": {"S": "user-1"},
+        "invisible": {"BOOL": True},
+        "endpoint": {"S": "http://10.0.0.7:8080"},
+        "wantsPresence": {"BOOL": False},
+        "watchVersion": {"N": "1"},
+        "watchingGames": {"SS": ["chess#123", "go#9"]},
+        "ttl": {"N": "1900000000"},
+    }
+
+
+async def test_empty_games_and_no_watch_version_are_absent(
+    store: DynamoStore, raw: Any, table: str
+) -> None:
+    await store.write_connections(
+        [sample(watching_games=frozenset(), watch_version=None, invisible=False)], []
+    )
+    row = connection_row(raw, table, "conn-1")
+    assert row is not None
+    assert "watchingGames" not in row
+    assert "watchVersion" not in row
+    assert row["invisible"] == {"BOOL": False}
+    assert row["wantsPresence"] == {"BOOL": False}
+    assert set(row["ttl"]) == {"N"} and row["ttl"]["N"] == str(int(row["ttl"]["N"]))
+
+
+async def test_update_watch_writes_ss_and_removes_it_when_empty(
+    store: DynamoStore, raw: Any, table: str
+) -> None:
+    await store.write_connections([sample(watch_version=None, watching_games=frozenset())], [])
+    await store.update_watch("conn-1", frozenset({"a#1", "b#2"}), 1, 1_900_000_500)
+    row = connection_row(raw, table, "conn-1")
+    assert row is not None
+    assert set(row["watchingGames"]) == {"SS"}
+    assert sorted(row["watchingGames"]["SS"]) == ["a#1", "b#2"]
+    assert row["watchVersion"] == {"N": "1"}
+    assert row["ttl"] == {"N": "1900000500"}
+
+    await store.update_watch("conn-1", frozenset(), 1, 1_900_000_600)
+    row = connection_row(raw, table, "conn-1")
+    assert row is not None
+    assert "watchingGames" not in row
+    assert row["ttl"] == {"N": "1900000600"}
+    assert row["userId"] == {"S": "user-1"}  # untouched
+
+
+async def test_refresh_ttl_sets_only_ttl(store: DynamoStore, raw: Any, table: str) -> None:
+    await store.write_connections([sample()], [])
+    before = connection_row(raw, table, "conn-1")
+    await store.refresh_ttl("conn-1", 1_950_000_000)
+    after = connection_row(raw, table, "conn-1")
+    assert before is not None and after is not None
+    assert after["ttl"] == {"N": "1950000000"}
+    assert {k: v for k, v in after.items() if k != "ttl"} == {
+        k: v for k, v in before.items() if k != "ttl"
+    }
+
+
+async def test_updates_of_missing_rows_write_nothing(
+    store: DynamoStore, raw: Any, table: str
+) -> None:
+    await store.update_watch("ghost", frozenset({"a#1"}), 1, ttl_from_now())
+    await store.refresh_ttl("ghost", ttl_from_now())
+    assert connection_row(raw, table, "ghost") is None
+    assert raw.scan(TableName=table)["Count"] == 0
+
+
+async def test_presence_seq_row_is_a_number(store: DynamoStore, raw: Any, table: str) -> None:
+    assert await store.next_presence_seq() == 1
+    assert await store.next_presence_seq() == 2
+    row = raw.get_item(
+        TableName=table,
+        Key={"pk": {"S": "wsMeta"}, "sk": {"S": "presenceSeq"}},
+        ConsistentRead=True,
+    )["Item"]
+    assert row == {"pk": {"S": "wsMeta"}, "sk": {"S": "presenceSeq"}, "seq": {"N": "2"}}
+
+
+async def test_reads_rows_written_by_todays_lambdas(
+    store: DynamoStore, raw: Any, table: str
+) -> None:
+    # Today's subscribe Lambda may leave out wantsPresence and watchVersion.
+    raw.put_item(
+        TableName=table,
+        Item={
+            "pk": {"S": "wsConnections"},
+            "sk": {"S": "legacy"},
+            "connectionId": {"S": "legacy"},
+            "userId": {"S": "user-5"},
+            "invisible": {"BOOL": False},
+            "endpoint": {"S": "abc.execute-api.us-east-1.amazonaws.com/prod"},
+            "ttl": {"N": str(ttl_from_now())},
+        },
+    )
+    record = await store.get_connection("legacy")
+    assert record is not None
+    assert record.wants_presence is True
+    assert record.watch_version is None
+    assert record.watching_games == frozenset()
+    assert record.user_id == "user-5"
+
+
+async def test_malformed_rows_are_skipped_by_list(store: DynamoStore, raw: Any, table: str) -> None:
+    raw.put_item(
+        TableName=table,
+        Item={"pk": {"S": "wsConnections"}, "sk": {"S": "junk"}, "ttl": {"N": "1900000000"}},
+    )
+    await store.write_connections([sample("good")], [])
+    assert [r.connection_id for r in await store.list_connections()] == ["good"]
+    assert await store.get_connection("junk") is None
+
+
+async def test_delete_endpoint_connections_removes_rows_physically(
+    store: DynamoStore, raw: Any, table: str
+) -> None:
+    past = int(time.time()) - 100
+    await store.write_connections(
+        [sample("a", endpoint="node-a"), sample("b", endpoint="node-a", ttl=past)], []
+    )
+    await store.write_connections([sample("c", endpoint="node-c")], [])
+    assert await store.delete_endpoint_connections("node-a") == 2
+    remaining = raw.scan(TableName=table)["Items"]
+    assert [item["sk"]["S"] for item in remaining] == ["c"]
+
+
+def test_keys_round_trip_a_record() -> None:
+    record = sample(watching_games=frozenset(), watch_version=None)
+    item = keys.to_item(record)
+    assert "watchingGames" not in item and "watchVersion" not in item
+    assert keys.from_item(item) == record
+    with pytest.raises(ValueError):
+        keys.string_set(frozenset())
+
+
+# --------------------------------------------------------------- table setup
+
+
+async def test_create_table_enables_ttl_and_is_idempotent(endpoint: str, raw: Any) -> None:
+    name = f"setup-{uuid.uuid4().hex[:12]}"
+    await create_table(endpoint, name, REGION)
+    await create_table(endpoint, name, REGION)  # existing table: fine
+    ttl = raw.describe_time_to_live(TableName=name)["TimeToLiveDescription"]
+    assert ttl["TimeToLiveStatus"] == "ENABLED"
+    assert ttl["AttributeName"] == "ttl"
+    description = raw.describe_table(TableName=name)["Table"]
+    assert description["TableStatus"] == "ACTIVE"
+    assert {k["AttributeName"]: k["KeyType"] for k in description["KeySchema"]} == {
+        "pk": "HASH",
+        "sk": "RANGE",
+    }
+    assert {
+        a["AttributeName"]: a["AttributeType"] for a in description["AttributeDefinitions"]
+    } == {
+        "pk": "S",
+        "sk": "S",
+    }
+    assert description["BillingModeSummary"]["BillingMode"] == "PAY_PER_REQUEST"
+
+
+async def test_create_table_enables_ttl_on_an_existing_table_without_it(
+    endpoint: str, raw: Any
+) -> None:
+    name = f"bare-{uuid.uuid4().hex[:12]}"
+    raw.create_table(
+        TableName=name,
+        AttributeDefinitions=[
+            {"AttributeName": "pk", "AttributeType": "S"},
+            {"AttributeName": "sk", "AttributeType": "S"},
+        ],
+        KeySchema=[
+            {"AttributeName": "pk", "KeyType": "HASH"},
+            {"AttributeName": "sk", "KeyType": "RANGE"},
+        ],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    assert (
+        raw.describe_time_to_live(TableName=name)["TimeToLiveDescription"]["TimeToLiveStatus"]
+        == "DISABLED"
+    )
+    await create_table(endpoint, name, REGION)
+    ttl = raw.describe_time_to_live(TableName=name)["TimeToLiveDescription"]
+    assert (ttl["TimeToLiveStatus"], ttl["AttributeName"]) == ("ENABLED", "ttl")
+
+
+# ---------------------------------------------------------------- start/close
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port  # closed again: nothing listens there
+
+
+async def test_start_against_unreachable_endpoint_fails_fast_naming_it() -> None:
+    url = f"http://127.0.0.1:{closed_port()}"
+    store = DynamoStore(table="anything", region=REGION, endpoint_url=url)
+    began = time.monotonic()
+    with pytest.raises(StoreUnavailable) as caught:
+        await store.start()
+    assert time.monotonic() - began < 5.0
+    message = str(caught.value)
+    assert url in message
+    assert "'anything'" in message
+    await store.close()
+
+
+async def test_start_with_missing_table_names_it(endpoint: str) -> None:
+    store = DynamoStore(table="no-such-table", region=REGION, endpoint_url=endpoint)
+    with pytest.raises(StoreUnavailable) as caught:
+        await store.start()
+    assert "no-such-table" in str(caught.value)
+    assert "does not exist" in str(caught.value)
+    assert endpoint in str(caught.value)
+
+
+async def test_start_rejects_a_table_with_another_key_schema(endpoint: str, raw: Any) -> None:
+    name = f"wrong-{uuid.uuid4().hex[:12]}"
+    raw.create_table(
+        TableName=name,
+        AttributeDefinitions=[{"AttributeName": "id", "AttributeType": "S"}],
+        KeySchema=[{"AttributeName": "id", "KeyType": "HASH"}],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    store = DynamoStore(table=name, region=REGION, endpoint_url=endpoint)
+    with pytest.raises(StoreUnavailable, match="key schema"):
+        await store.start()
+
+
+async def test_use_before_start_raises_store_unavailable() -> None:
+    store = DynamoStore(table="t", region=REGION, endpoint_url="http://127.0.0.1:9")
+    with pytest.raises(StoreUnavailable):
+        await store.get_connection("x")
+
+
+# ------------------------------------------------- throttling and retries
+
+
+@pytest.fixture
+async def proxy(endpoint: str) -> AsyncIterator[DynamoFaultProxy]:
+    fault_proxy = DynamoFaultProxy(endpoint)
+    await fault_proxy.start()
+    try:
+        yield fault_proxy
+    finally:
+        await fault_proxy.stop()
+
+
+@pytest.fixture
+async def proxied(proxy: DynamoFaultProxy, table: str) -> AsyncIterator[DynamoStore]:
+    impl = DynamoStore(table=table, region=REGION, endpoint_url=proxy.endpoint, max_attempts=4)
+    await impl.start()
+    try:
+        yield impl
+    finally:
+        await impl.close()
+
+
+def metric(name: str) -> float:
+    return REGISTRY.value(name)
+
+
+async def test_throttled_requests_are_retried_and_counted(
+    proxied: DynamoStore, proxy: DynamoFaultProxy
+) -> None:
+    throttles, retries = metric("ap_dynamodb_throttles_total"), metric("ap_dynamodb_retries_total")
+    proxy.fail_next(2, "ProvisionedThroughputExceededException")
+    await proxied.write_connections([sample("t1")], [])
+    assert proxy.count("BatchWriteItem") == 3
+    assert metric("ap_dynamodb_throttles_total") == throttles + 2
+    assert metric("ap_dynamodb_retries_total") == retries + 2
+    assert await proxied.get_connection("t1") == sample("t1")
+
+
+async def test_server_errors_are_retried(proxied: DynamoStore, proxy: DynamoFaultProxy) -> None:
+    proxy.fail_next(1, "InternalServerError", status=500)
+    assert await proxied.next_presence_seq() == 1
+    proxy.fail_next(1, "ThrottlingException")
+    assert await proxied.next_presence_seq() == 2
+    assert proxy.count("UpdateItem") == 4
+
+
+async def test_persistent_throttling_gives_up_with_store_unavailable(
+    proxied: DynamoStore, proxy: DynamoFaultProxy
+) -> None:
+    failures = metric("ap_dynamodb_failures_total")
+    proxy.fail_next(10, "ThrottlingException")
+    with pytest.raises(StoreUnavailable, match="ThrottlingException") as caught:
+        await proxied.get_connection("x")
+    assert "4 attempts" in str(caught.value)
+    assert proxy.count("GetItem") == 4
+    assert metric("ap_dynamodb_failures_total") == failures + 1
+
+
+async def test_validation_errors_are_not_retried(
+    proxied: DynamoStore, proxy: DynamoFaultProxy
+) -> None:
+    proxy.fail_next(1, "ValidationException")
+    with pytest.raises(StoreUnavailable, match="ValidationException"):
+        await proxied.refresh_ttl("x", 1)
+    assert proxy.count("UpdateItem") == 1
+
+
+async def test_unprocessed_items_are_written_again_until_none_are_left(
+    proxied: DynamoStore, proxy: DynamoFaultProxy, raw: Any, table: str
+) -> None:
+    unprocessed = metric("ap_dynamodb_unprocessed_items_total")
+    proxy.unprocessed_rounds = 6
+    rows = [sample(f"u-{i:02d}") for i in range(60)]
+    await proxied.write_connections(rows, [])
+    assert proxy.unprocessed_rounds == 0  # the proxy really held items back
+    assert proxy.count("BatchWriteItem") > 3
+    assert metric("ap_dynamodb_unprocessed_items_total") > unprocessed
+    assert raw.scan(TableName=table, Select="COUNT")["Count"] == 60
+    assert {r.connection_id for r in await proxied.list_connections()} == {
+        r.connection_id for r in rows
+    }
+
+
+async def test_batch_writes_are_chunked_to_25_items(
+    proxied: DynamoStore, proxy: DynamoFaultProxy
+) -> None:
+    await proxied.write_connections([sample(f"p-{i:02d}") for i in range(60)], [])
+    assert sorted(proxy.batch_sizes) == [10, 25, 25]
+    proxy.batch_sizes.clear()
+    assert await proxied.delete_endpoint_connections("http://10.0.0.7:8080") == 60
+    assert sorted(proxy.batch_sizes) == [10, 25, 25]
+    assert await proxied.list_connections() == []
