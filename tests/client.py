@@ -92,6 +92,8 @@ class Client:
         await self.send(message)
         if wants_presence:
             await self.wait_for(lambda: self.presence.snapshots > snapshots)
+        else:
+            await self.barrier()
 
     async def watch(self, games: list[tuple[str, str]]) -> None:
         await self.send({"action": "watchGames", "games": [{"meta": m, "id": g} for m, g in games]})

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from server.config import Settings
 from server.node import Node
 from server.store.base import Store
 from tests.client import DEV_SECRET, Client
+from tests.services import dynamodb_endpoint_for_tests
 
 PUBLISH_SECRET = "publish-secret-for-tests"
 
@@ -80,6 +82,7 @@ class RunningServer:
         return await self.http("POST", "/publish", body, **kwargs)
 
 
+@contextlib.asynccontextmanager
 async def run_server(
     settings: Settings, store: Store | None = None
 ) -> AsyncIterator[RunningServer]:
@@ -104,8 +107,15 @@ async def run_server(
         await runner.cleanup()
 
 
+@pytest.fixture(scope="session")
+def dynamodb_endpoint() -> Iterator[str]:
+    """A DynamoDB endpoint: ``AP_TEST_DYNAMODB_ENDPOINT`` or a moto server for the session."""
+    with dynamodb_endpoint_for_tests() as endpoint:
+        yield endpoint
+
+
 @pytest.fixture
 async def server(request: pytest.FixtureRequest) -> AsyncIterator[RunningServer]:
     overrides = getattr(request, "param", {})
-    async for running in run_server(dataclasses.replace(TEST_SETTINGS, **overrides)):
+    async with run_server(dataclasses.replace(TEST_SETTINGS, **overrides)) as running:
         yield running

@@ -123,10 +123,10 @@ def _http_answers(url: str) -> bool:
         return False
 
 
-def start_moto_server(timeout: float = 30.0) -> MotoServer:
-    """Launch ``moto_server`` on a free port and wait until it answers HTTP."""
+def start_moto_server(timeout: float = 30.0, port: int | None = None) -> MotoServer:
+    """Launch ``moto_server`` on ``port`` (a free one by default) and wait until it answers."""
     ensure_fake_aws_credentials()
-    port = free_port()
+    port = free_port() if port is None else port
     log = tempfile.NamedTemporaryFile(prefix="moto-", suffix=".log", delete=False)  # noqa: SIM115
     process = subprocess.Popen(
         _moto_command(port),
@@ -309,6 +309,7 @@ class DynamoFaultProxy:
         self.batch_sizes: list[int] = []
         self.unprocessed_rounds = 0
         self._failures: list[tuple[str, int]] = []
+        self._outage: tuple[str, int] | None = None
         self._runner: Any = None
         self._session: Any = None
         self.port = 0
@@ -319,6 +320,14 @@ class DynamoFaultProxy:
 
     def fail_next(self, count: int, code: str = "ThrottlingException", status: int = 400) -> None:
         self._failures.extend([(code, status)] * count)
+
+    def fail_all(self, code: str = "InternalServerError", status: int = 500) -> None:
+        """An outage: every request fails until ``recover()``; the upstream keeps its data."""
+        self._outage = (code, status)
+
+    def recover(self) -> None:
+        self._outage = None
+        self._failures.clear()
 
     def count(self, operation: str) -> int:
         return self.operations.count(operation)
@@ -359,6 +368,9 @@ class DynamoFaultProxy:
                 content_type="application/x-amz-json-1.0",
             )
 
+        if self._outage is not None:
+            code, status = self._outage
+            return error(code, status, f"injected outage: {code}")
         if self._failures:
             code, status = self._failures.pop(0)
             return error(code, status, f"injected {code}")

@@ -176,7 +176,7 @@ async def cognito_server(jwks_file: Path) -> AsyncIterator[RunningServer]:
         cognito_client_id=CLIENT_ID,
         jwks_file=jwks_file,
     )
-    async for running in run_server(settings):
+    async with run_server(settings) as running:
         yield running
 
 

@@ -152,7 +152,7 @@ async def test_seq_is_persisted_and_continues_after_a_restart() -> None:
     store = MemoryStore()
     last_seq = 0
     for _run in range(2):
-        async for running in run_server(TEST_SETTINGS, store=store):
+        async with run_server(TEST_SETTINGS, store=store) as running:
             client = await running.subscribed("alice")
             assert client.presence.seq == last_seq
             await client.wait_for(lambda: "alice" in client.presence.visible)  # noqa: B023

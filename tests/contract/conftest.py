@@ -1,24 +1,16 @@
-"""Fixtures for the Store contract: one moto server per session, a fresh store per test."""
+"""Fixtures for the Store contract: a fresh store per test (moto comes from tests/conftest)."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
 from server.store import MemoryStore, Store
 from server.store.dynamodb import DynamoStore, create_table
-from tests.services import dynamodb_endpoint_for_tests
 
 REGION = "us-east-1"
-
-
-@pytest.fixture(scope="session")
-def dynamodb_endpoint() -> Iterator[str]:
-    """A DynamoDB endpoint: ``AP_TEST_DYNAMODB_ENDPOINT`` or a moto server for the session."""
-    with dynamodb_endpoint_for_tests() as endpoint:
-        yield endpoint
 
 
 @pytest.fixture(params=["memory", "dynamodb"])

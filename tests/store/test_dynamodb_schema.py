@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import boto3
@@ -20,15 +20,14 @@ import pytest
 from server.metrics import REGISTRY
 from server.store import ConnectionRecord, StoreUnavailable, keys, ttl_from_now
 from server.store.dynamodb import DynamoStore, create_table
-from tests.services import DynamoFaultProxy, dynamodb_endpoint_for_tests
+from tests.services import DynamoFaultProxy
 
 REGION = "us-east-1"
 
 
 @pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with dynamodb_endpoint_for_tests() as url:
-        yield url
+def endpoint(dynamodb_endpoint: str) -> str:
+    return dynamodb_endpoint
 
 
 @pytest.fixture(scope="module")
