@@ -111,13 +111,21 @@ async def test_keepalive_drops_a_dead_peer(server: RunningServer) -> None:
 
 async def test_wants_presence_false_gets_no_presence_frames(server: RunningServer) -> None:
     bot = await server.client()
-    await bot.subscribe("bot", wants_presence=False, games=[("chess", "g1")])
+    await bot.send(
+        {
+            "action": "subscribe",
+            "token": dev_token("bot"),
+            "wantsPresence": False,
+            "watchVersion": 1,
+            "games": [{"meta": "chess", "id": "g1"}],
+        }
+    )
     await server.subscribed("alice")
+    await asyncio.sleep(0.4)  # two debounce windows: the join delta has gone out
     status, _ = await server.publish({"verb": "game", "payload": {"meta": "chess", "id": "g1"}})
     assert status == 202
     await bot.next_message(lambda m: m["verb"] == "game")
-    await asyncio.sleep(0.4)  # two debounce windows: the join delta has gone out
-    assert bot.of_verb("connections") == []
+    assert bot.of_verb("connections") == []  # no snapshot on subscribe, no deltas
     [row] = await rows_of(server, "bot")
     assert row.wants_presence is False
 
