@@ -205,3 +205,28 @@ def test_unreachable_dynamodb_at_start_exits_non_zero_with_a_clear_message() -> 
     assert result.returncode == 2
     assert "cannot start" in result.stderr and closed in result.stderr
     assert time.monotonic() - started < 30
+
+
+def test_create_table_command_makes_the_table_with_ttl(dynamodb_endpoint: str, raw: Any) -> None:
+    name = f"cli-{uuid.uuid4().hex[:12]}"
+    command = [
+        sys.executable,
+        "-m",
+        "server",
+        "create-table",
+        "--dynamodb-endpoint",
+        dynamodb_endpoint,
+        "--table",
+        name,
+    ]
+    for _ in range(2):  # idempotent
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert f"table {name} is ready" in result.stdout
+    table = raw.describe_table(TableName=name)["Table"]
+    assert {k["AttributeName"]: k["KeyType"] for k in table["KeySchema"]} == {
+        "pk": "HASH",
+        "sk": "RANGE",
+    }
+    ttl = raw.describe_time_to_live(TableName=name)["TimeToLiveDescription"]
+    assert ttl["AttributeName"] == "ttl" and ttl["TimeToLiveStatus"] == "ENABLED"
