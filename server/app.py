@@ -66,15 +66,20 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
     bus: Bus
     backend: PresenceBackend
     if settings.redis_url is not None:
-        from server.bus.redis import RedisBus, RedisPresenceBackend
+        from server.bus.redis_bus import RedisBus
+        from server.cluster import RedisPresenceBackend
 
         redis_bus = RedisBus(settings.redis_url)
-        bus = redis_bus
-        backend = RedisPresenceBackend(redis_bus, settings)
-    else:
-        memory_bus = MemoryBus()
-        bus = memory_bus
-        backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
+        cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store)
+        node = Node(settings, store, redis_bus, cluster, build_authenticator(settings))
+        # After a Redis reconnect the node reloads presence and re-snapshots its
+        # clients; if the cluster presumed it dead, it writes its rows again.
+        redis_bus.on_reconnect(node.resync)
+        cluster.on_presumed_dead(node.rewrite_rows)
+        return node
+    memory_bus = MemoryBus()
+    bus = memory_bus
+    backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
     return Node(settings, store, bus, backend, build_authenticator(settings))
 
 

@@ -89,7 +89,8 @@ class Node:
         self._reports: CoalescingFlusher[str, bool | None] = CoalescingFlusher(
             "presence-reports", self._report, lambda _old, new: new, bus_failures
         )
-        self._deltas: asyncio.Queue[PresenceDelta] = asyncio.Queue()
+        # None asks the delta loop to reload the view and push fresh snapshots.
+        self._deltas: asyncio.Queue[PresenceDelta | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self.ready = False
         REGISTRY.gauge("ap_connections", "Open WebSocket sessions", lambda: len(self.sessions))
@@ -189,18 +190,7 @@ class Node:
         self._index(session)
         self.local_presence.add(identity.user_id, session.invisible)
         self._queue_reports()
-        self.registry.put(
-            ConnectionRecord(
-                connection_id=session.connection_id,
-                user_id=identity.user_id,
-                invisible=session.invisible,
-                endpoint=self.node_id,
-                wants_presence=session.wants_presence,
-                watch_version=session.watch_version,
-                watching_games=session.watching,
-                ttl=session.row_ttl,
-            )
-        )
+        self.registry.put(self._record(session))
         if session.wants_presence:
             # The snapshot and this session's place among delta recipients are
             # taken in the same loop turn, so it misses no delta after the snapshot.
@@ -213,6 +203,32 @@ class Node:
         self._index_games(session)
         session.row_ttl = ttl_from_now()
         self.registry.watch(session.connection_id, games, 1, session.row_ttl)
+
+    def _record(self, session: Session) -> ConnectionRecord:
+        assert session.user_id is not None
+        return ConnectionRecord(
+            connection_id=session.connection_id,
+            user_id=session.user_id,
+            invisible=session.invisible,
+            endpoint=self.node_id,
+            wants_presence=session.wants_presence,
+            watch_version=session.watch_version,
+            watching_games=session.watching,
+            ttl=session.row_ttl,
+        )
+
+    def rewrite_rows(self) -> None:
+        """Write every session's row again: the cluster presumed this node dead and
+        deleted them while it was only unreachable."""
+        for session in self.sessions:
+            if session.subscribed:
+                self.registry.put(self._record(session))
+
+    def resync(self) -> None:
+        """The bus reconnected and may have lost messages: reload the presence view
+        and send every presence watcher a fresh snapshot; the writer looks at everyone."""
+        self._deltas.put_nowait(None)
+        self.writer.reconcile()
 
     def sync_presence(self, session: Session) -> None:
         session.send(self.view.snapshot_frame(), self._outbox_limit)
@@ -337,6 +353,9 @@ class Node:
     async def _delta_loop(self) -> None:
         while True:
             delta = await self._deltas.get()
+            if delta is None:
+                await self._reload_view()
+                continue
             if delta.seq <= self.view.seq:
                 continue  # already applied (a reload got ahead of it)
             if delta.seq != self.view.seq + 1:
@@ -353,3 +372,12 @@ class Node:
             else:
                 self.view.apply(delta)
             send_frame(self.presence_watchers, Frame(delta), self._outbox_limit)
+
+    async def _reload_view(self) -> None:
+        presence_resyncs.inc()
+        try:
+            self.view.reset(await self.presence_backend.committed())
+        except Exception as exc:
+            log.warning("presence reload after a bus reconnect failed: %s", exc)
+            return
+        send_frame(self.presence_watchers, self.view.snapshot_frame(), self._outbox_limit)

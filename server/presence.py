@@ -255,6 +255,7 @@ class PresenceWriter:
         self._wakeup = asyncio.Event()
         self._committed: CommittedPresence | None = None  # set while leading
         self._full = False  # next flush looks at every user
+        self._reserved = 0  # highest seq known to be taken from wsMeta
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -295,9 +296,17 @@ class PresenceWriter:
                 log.warning("presence lease check failed: %s", exc)
                 leading = False
             if leading and self._committed is None:
-                self._committed = await self._backend.committed()
-                log.info("presence writer: leading from seq %d", self._committed.seq)
-                self.reconcile()
+                try:
+                    committed = await self._backend.committed()
+                    # Numbers a dead writer took from wsMeta but never committed
+                    # are used again, so a takeover leaves no gap.
+                    self._reserved = await self._store.current_presence_seq()
+                except Exception as exc:
+                    log.warning("presence writer: loading the committed state failed: %s", exc)
+                else:
+                    self._committed = committed
+                    log.info("presence writer: leading from seq %d", committed.seq)
+                    self.reconcile()
             elif not leading and self._committed is not None:
                 log.info("presence writer: no longer leading")
                 self._committed = None
@@ -335,7 +344,12 @@ class PresenceWriter:
             changes = diff(committed.users, live, targets)
             if not changes:
                 return
-            seq = await self._store.next_presence_seq()
+            seq = committed.seq + 1
+            if seq > self._reserved:
+                # wsMeta is written before the commit, so it never falls behind
+                # a seq that a client has seen. It is normally seq itself.
+                self._reserved = await self._store.next_presence_seq()
+                seq = max(seq, self._reserved)
             delta = delta_of(seq, committed.users, changes)
             if not await self._backend.commit(delta, changes):
                 log.warning("presence writer fenced out at seq %d", seq)

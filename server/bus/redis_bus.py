@@ -1,0 +1,333 @@
+"""Redis pub/sub bus: envelopes cross nodes through one Redis.
+
+One connection publishes, one dedicated connection subscribes, and a reader
+task hands each message to the node's handler in arrival order. Each topic is
+one channel (``docs/cluster.md``, "Channel layout"), so a node receives only
+the game events its own clients watch.
+
+When the subscriber connection drops, the bus says so (``connected`` is
+False, ``/readyz`` turns 503), retries with jittered backoff, subscribes every
+current topic again, and then calls the reconnect callbacks *before* it
+delivers any message of the new connection: the node reloads what it may have
+missed from a state that is already covered by the new subscriptions. While
+Redis is away, ``publish`` still delivers to this node's own subscribers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from server.bus.base import MessageHandler
+from server.bus.topics import PRESENCE, PRESENCE_HINTS
+from server.metrics import REGISTRY
+
+log = logging.getLogger(__name__)
+
+reconnects = REGISTRY.counter("ap_bus_reconnects_total", "Times the Redis subscriber reconnected")
+local_only = REGISTRY.counter(
+    "ap_bus_local_only_publishes_total",
+    "Publishes delivered to this node only, because Redis was unreachable",
+)
+
+PRESENCE_NAMESPACE = "ap:{presence}:"
+"""Every presence key and channel shares the ``{presence}`` hash tag: one Redis
+Cluster slot, so the writer's Lua scripts can touch all of them and publish."""
+
+ReconnectCallback = Callable[[], None]
+"""Called on the reader task after a reconnect, before any new message is delivered."""
+
+
+class BusUnavailable(ConnectionError):
+    """Redis could not be reached at start-up within the allowed time."""
+
+
+def channel_for(topic: str) -> str:
+    """The Redis channel of a bus topic.
+
+    Presence channels live under the ``{presence}`` hash tag with the presence
+    keys. Every other topic is its own hash tag (``ap:{game:chess#g1}``), so
+    under sharded pub/sub each game is one slot, spread over the shards, and
+    any per-game key added later (``ap:{game:chess#g1}:log``) lands beside it.
+    """
+    if topic == PRESENCE:
+        return PRESENCE_NAMESPACE + "deltas"
+    if topic == PRESENCE_HINTS:
+        return PRESENCE_NAMESPACE + "hints"
+    return "ap:{" + topic + "}"
+
+
+def make_client(url: str, *, retries: int = 1, max_connections: int = 32) -> aioredis.Redis:
+    """A command client that fails fast instead of hanging while Redis is away.
+
+    Callers beyond ``max_connections`` wait for a free connection (up to the
+    socket timeout) rather than fail.
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=5.0,
+        socket_connect_timeout=2.0,
+        socket_timeout=5.0,
+        health_check_interval=0,
+        retry=Retry(NoBackoff(), retries),
+    )
+    client: aioredis.Redis = aioredis.Redis.from_pool(pool)
+    return client
+
+
+class RedisBus:
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float = 30.0,
+        keepalive: float = 5.0,
+        max_backoff: float = 2.0,
+    ) -> None:
+        self.url = url
+        self._connect_timeout = connect_timeout
+        self._keepalive = keepalive
+        self._max_backoff = max_backoff
+        # One retry: a pooled connection that died with the last Redis fails once.
+        self._client = make_client(url, retries=1)
+        # No retries on the subscriber: a failure must surface so that the
+        # reader starts a fresh connection and the node learns it missed messages.
+        self._sub_client = make_client(url, retries=0)
+        self._handler: MessageHandler | None = None
+        self._topics: set[str] = set()
+        self._by_channel: dict[bytes, str] = {}
+        self._pubsub: PubSub | None = None  # set while attached and subscribed
+        self._attached = asyncio.Event()
+        self._connected_since = 0.0
+        self._ever_attached = False
+        self._barriers: dict[bytes, asyncio.Future[bool]] = {}
+        self._callbacks: list[ReconnectCallback] = []
+        self._reader: asyncio.Task[None] | None = None
+        self._closing = False
+        REGISTRY.gauge("ap_bus_connected", "1 while the Redis bus is connected", self._gauge)
+
+    def _gauge(self) -> float:
+        return 1.0 if self.connected else 0.0
+
+    @property
+    def connected(self) -> bool:
+        return self._attached.is_set()
+
+    @property
+    def connected_since(self) -> float:
+        """``time.monotonic()`` of the current connection; meaningless while disconnected."""
+        return self._connected_since
+
+    def on_reconnect(self, callback: ReconnectCallback) -> None:
+        """Call ``callback`` after every reconnect (not the first connect)."""
+        self._callbacks.append(callback)
+
+    # --- lifecycle ----------------------------------------------------------
+
+    async def start(self, handler: MessageHandler) -> None:
+        """Start the reader and wait for the first connection (BusUnavailable if none)."""
+        self._handler = handler
+        self._closing = False
+        self._reader = asyncio.create_task(self._run(), name="redis-bus-reader")
+        try:
+            await asyncio.wait_for(self._attached.wait(), self._connect_timeout)
+        except TimeoutError:
+            await self.close()
+            raise BusUnavailable(
+                f"Redis at {self.url} did not answer within {self._connect_timeout:g}s"
+            ) from None
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+            self._reader = None
+        self._handler = None
+        self._topics.clear()
+        self._by_channel.clear()
+        for client in (self._client, self._sub_client):
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    # --- publish and subscribe ----------------------------------------------
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        if self.connected:
+            try:
+                await self._client.publish(channel_for(topic), data)
+                return
+            except (RedisError, OSError) as exc:
+                log.warning("publish on %s failed, delivering on this node only: %s", topic, exc)
+        local_only.inc()
+        if topic in self._topics:
+            asyncio.get_running_loop().call_soon(self._deliver_local, topic, data)
+
+    def _deliver_local(self, topic: str, data: bytes) -> None:
+        if topic in self._topics:
+            self._call_handler(topic, data)
+
+    async def subscribe(self, topics: Iterable[str]) -> None:
+        """Subscribe; when connected, return once Redis has taken the subscription."""
+        added: list[str] = []
+        for topic in topics:
+            if topic not in self._topics:
+                self._topics.add(topic)
+                self._by_channel[channel_for(topic).encode()] = topic
+                added.append(topic)
+        pubsub = self._pubsub
+        if not added or pubsub is None:
+            return  # a reconnect subscribes every current topic
+        try:
+            await pubsub.subscribe(*[channel_for(topic) for topic in added])
+            await self._barrier(pubsub)
+        except (RedisError, OSError) as exc:
+            log.debug("subscribe deferred to the next reconnect: %s", exc)
+
+    async def unsubscribe(self, topics: Iterable[str]) -> None:
+        removed: list[str] = []
+        for topic in topics:
+            if topic in self._topics:
+                self._topics.discard(topic)
+                self._by_channel.pop(channel_for(topic).encode(), None)
+                removed.append(topic)
+        pubsub = self._pubsub
+        if not removed or pubsub is None:
+            return
+        # Messages already on their way are dropped: the channel is out of _by_channel.
+        with contextlib.suppress(RedisError, OSError):
+            await pubsub.unsubscribe(*[channel_for(topic) for topic in removed])
+
+    async def _barrier(self, pubsub: PubSub) -> None:
+        """Wait until Redis has handled every command sent so far on ``pubsub``."""
+        timeout = 5.0
+        token = uuid.uuid4().hex.encode()
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._barriers[token] = future
+        try:
+            await pubsub.ping(token)
+            await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            log.warning("Redis did not confirm a subscription within %gs", timeout)
+        finally:
+            self._barriers.pop(token, None)
+
+    # --- the reader ---------------------------------------------------------
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self._closing:
+            pubsub = self._sub_client.pubsub()
+            try:
+                backlog = await self._attach(pubsub)
+                failures = 0
+                if self._ever_attached:
+                    reconnects.inc()
+                    log.info("Redis bus reconnected; %d topics subscribed", len(self._topics))
+                    for callback in self._callbacks:
+                        try:
+                            callback()
+                        except Exception:
+                            log.exception("reconnect callback failed")
+                self._ever_attached = True
+                for message in backlog:
+                    self._dispatch(message)
+                await self._read(pubsub)
+            except Exception as exc:  # any failure means: start over on a fresh connection
+                if failures == 0:
+                    log.warning("Redis bus connection lost: %s", exc or type(exc).__name__)
+            finally:
+                self._detach()
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            failures += 1
+            delay = min(self._max_backoff, 0.05 * 2 ** min(failures, 10))
+            await asyncio.sleep(random.uniform(delay / 2, delay))
+
+    async def _attach(self, pubsub: PubSub) -> list[dict[str, Any]]:
+        """Subscribe every topic on a fresh connection; return messages read meanwhile."""
+        subscribed = set(self._topics)
+        if subscribed:
+            await pubsub.subscribe(*[channel_for(topic) for topic in subscribed])
+        else:
+            await pubsub.connect()  # type: ignore[no-untyped-call]
+        token = uuid.uuid4().hex.encode()
+        await pubsub.ping(token)
+        backlog: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 5.0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("Redis did not confirm the subscriptions")
+            message = await pubsub.get_message(timeout=remaining)
+            if message is None:
+                continue
+            if message["type"] == "pong" and message["data"] == token:
+                break
+            backlog.append(message)
+        # Topics changed while subscribing: bring Redis in line without waiting.
+        self._pubsub = pubsub
+        self._connected_since = time.monotonic()
+        self._attached.set()
+        added = self._topics - subscribed
+        removed = subscribed - self._topics
+        if added:
+            await pubsub.subscribe(*[channel_for(topic) for topic in added])
+        if removed:
+            await pubsub.unsubscribe(*[channel_for(topic) for topic in removed])
+        return backlog
+
+    def _detach(self) -> None:
+        self._pubsub = None
+        self._attached.clear()
+        for future in self._barriers.values():
+            if not future.done():
+                future.set_result(False)
+
+    async def _read(self, pubsub: PubSub) -> None:
+        """Deliver messages until the connection fails; ping it when it is quiet."""
+        last_seen = time.monotonic()
+        while True:
+            message = await pubsub.get_message(timeout=self._keepalive)
+            now = time.monotonic()
+            if message is None:
+                if now - last_seen > 2 * self._keepalive:
+                    raise TimeoutError("Redis did not answer a keepalive ping")
+                await pubsub.ping()
+                continue
+            last_seen = now
+            self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "message":
+            topic = self._by_channel.get(message["channel"])
+            if topic is not None:
+                self._call_handler(topic, message["data"])
+        elif kind == "pong":
+            future = self._barriers.get(message["data"])
+            if future is not None and not future.done():
+                future.set_result(True)
+
+    def _call_handler(self, topic: str, data: bytes) -> None:
+        handler = self._handler
+        if handler is None:
+            return
+        try:
+            handler(topic, data)
+        except Exception:
+            log.exception("bus handler failed on %s", topic)

@@ -1,0 +1,45 @@
+"""Fixtures: a fresh Redis, table and three node processes for each test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from server.store.dynamodb import create_table
+from tests.cluster.harness import REGION, Cluster, new_workdir, remove_workdir
+from tests.services import start_redis_server
+
+NODES = ("n1", "n2", "n3")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    if report.when == "call":
+        item.stash[FAILED] = report.failed
+    return report
+
+
+FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture
+async def cluster(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> AsyncIterator[Cluster]:
+    """Three started nodes on one Redis of the test's own (it may restart it)."""
+    redis = start_redis_server()
+    table = f"cluster-{uuid.uuid4().hex[:12]}"
+    await create_table(dynamodb_endpoint, table, REGION)
+    workdir = new_workdir()
+    running = Cluster(redis, dynamodb_endpoint, table, workdir)
+    try:
+        await running.start(*NODES)
+        yield running
+    finally:
+        await running.close()
+        if request.node.stash.get(FAILED, True) or os.environ.get("AP_CLUSTER_LOGS"):
+            print(running.logs())
+        redis.stop()
+        remove_workdir(workdir)

@@ -1,0 +1,274 @@
+"""A real cluster for tests: server nodes as separate processes, one Redis, one table.
+
+Every node is ``python -m server serve`` on 127.0.0.1 with ports of its own,
+talking to a ``redis-server`` the test started (so the test may restart it)
+and to a DynamoDB table of its own. Timings are short so that failures are
+detected in seconds; :data:`TIMINGS` lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis.asyncio as aioredis
+
+from server.cluster import lease_ms_for
+from server.store.base import ConnectionRecord
+from server.store.dynamodb import DynamoStore
+from tests.client import DEV_SECRET, Client
+from tests.services import HOST, RedisServer, free_port
+
+PUBLISH_SECRET = "cluster-publish-secret"
+REGION = "us-east-1"
+ROOT = Path(__file__).resolve().parents[2]
+
+DEBOUNCE_MS = 300
+HEARTBEAT_MS = 500
+TIMEOUT_MS = 3000
+LEASE_MS = lease_ms_for(HEARTBEAT_MS)
+TIMINGS = {
+    "presence_debounce_ms": DEBOUNCE_MS,
+    "node_heartbeat_ms": HEARTBEAT_MS,
+    "node_timeout_ms": TIMEOUT_MS,
+}
+
+DEATH_BOUND = (TIMEOUT_MS + HEARTBEAT_MS + DEBOUNCE_MS) / 1000
+"""The promised time from a node's death to its users' leaves (docs/cluster.md)."""
+SLACK = 3.0
+"""Allowance for a loaded test machine, on top of every promised time."""
+
+
+async def eventually(check: Callable[[], bool], within: float, what: str = "condition") -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within:g}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class NodeProcess:
+    name: str
+    port: int
+    http_port: int
+    log_path: Path
+    process: subprocess.Popen[bytes]
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://{HOST}:{self.port}/"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self, tail: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-tail:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class Cluster:
+    redis: RedisServer
+    dynamodb_endpoint: str
+    table: str
+    workdir: Path
+    nodes: dict[str, NodeProcess] = field(default_factory=dict)
+    clients: list[Client] = field(default_factory=list)
+    _http: aiohttp.ClientSession | None = None
+
+    # --- nodes --------------------------------------------------------------
+
+    def spawn(self, name: str, **overrides: Any) -> NodeProcess:
+        settings: dict[str, Any] = {**TIMINGS, **overrides}
+        node = self.nodes.get(name)
+        port = node.port if node is not None else free_port()
+        http_port = node.http_port if node is not None else free_port()
+        args = [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            "--node-id",
+            name,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--http-host",
+            HOST,
+            "--http-port",
+            str(http_port),
+            "--redis-url",
+            self.redis.url,
+            "--dynamodb-endpoint",
+            self.dynamodb_endpoint,
+            "--table",
+            self.table,
+            "--dev-jwt-secret",
+            DEV_SECRET,
+            "--publish-secret",
+            PUBLISH_SECRET,
+        ]
+        for key, value in settings.items():
+            args += ["--" + key.replace("_", "-"), str(value)]
+        log_path = self.workdir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        self.nodes[name] = NodeProcess(name, port, http_port, log_path, process)
+        return self.nodes[name]
+
+    async def start(self, *names: str, within: float = 30.0) -> None:
+        for name in names:
+            self.spawn(name)
+        for name in names:
+            await self.wait_ready(name, within)
+
+    async def wait_ready(self, name: str, within: float = 30.0) -> None:
+        node = self.nodes[name]
+        deadline = time.monotonic() + within
+        while await self.readyz(name) != 200:
+            if not node.alive:
+                raise AssertionError(f"node {name} exited:\n{node.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"node {name} not ready in {within:g}s:\n{node.log()}")
+            await asyncio.sleep(0.1)
+
+    def kill(self, name: str) -> None:
+        """kill -9: no goodbye to Redis, DynamoDB or the clients."""
+        node = self.nodes[name]
+        node.process.send_signal(signal.SIGKILL)
+        node.process.wait(timeout=10)
+
+    async def terminate(self, name: str, timeout: float = 15.0) -> None:
+        """SIGTERM, then wait (off the loop: the node closes our clients meanwhile)."""
+        node = self.nodes[name]
+        if not node.alive:
+            return
+        node.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(node.process.wait, timeout)
+        except subprocess.TimeoutExpired:
+            node.process.kill()
+            node.process.wait(timeout=10)
+
+    # --- HTTP ---------------------------------------------------------------
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        return self._http
+
+    async def readyz(self, name: str) -> int | None:
+        try:
+            async with self._session().get(self.nodes[name].http_url + "/readyz") as response:
+                return response.status
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+    async def publish(self, name: str, body: dict[str, Any]) -> int:
+        async with self._session().post(
+            self.nodes[name].http_url + "/publish",
+            json=body,
+            headers={"Authorization": f"Bearer {PUBLISH_SECRET}"},
+        ) as response:
+            await response.read()
+            return response.status
+
+    # --- clients ------------------------------------------------------------
+
+    async def client(self, name: str, user_id: str, **subscribe: Any) -> Client:
+        """A client on node ``name``, subscribed (snapshot received) as ``user_id``."""
+        client = await Client.open(self.nodes[name].ws_url)
+        self.clients.append(client)
+        await client.subscribe(user_id, **subscribe)
+        return client
+
+    async def close_client(self, client: Client) -> None:
+        with contextlib.suppress(Exception):
+            await client.close()
+
+    # --- shared state ---------------------------------------------------------
+
+    async def leader(self) -> str | None:
+        """The node holding the presence writer lease, read from Redis."""
+        client = aioredis.Redis.from_url(self.redis.url)
+        try:
+            token = await client.get("ap:{presence}:leader")
+        finally:
+            await client.aclose()
+        return None if token is None else token.decode().split("/", 1)[0]
+
+    async def wait_leader(self, within: float = 10.0, other_than: str | None = None) -> str:
+        deadline = time.monotonic() + within
+        while True:
+            leader = await self.leader()
+            if leader is not None and leader != other_than:
+                return leader
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no presence writer (other than {other_than}) in {within}s")
+            await asyncio.sleep(0.1)
+
+    async def rows(self) -> list[ConnectionRecord]:
+        store = DynamoStore(table=self.table, region=REGION, endpoint_url=self.dynamodb_endpoint)
+        await store.start()
+        try:
+            return await store.list_connections()
+        finally:
+            await store.close()
+
+    async def presence_seq(self) -> int:
+        store = DynamoStore(table=self.table, region=REGION, endpoint_url=self.dynamodb_endpoint)
+        await store.start()
+        try:
+            return await store.current_presence_seq()
+        finally:
+            await store.close()
+
+    # --- teardown -----------------------------------------------------------
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {name}\n{node.log()}" for name, node in self.nodes.items())
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await self.close_client(client)
+        for name, node in self.nodes.items():
+            if node.process.poll() is None:
+                with contextlib.suppress(OSError):
+                    node.process.send_signal(signal.SIGCONT)
+                await self.terminate(name)
+        if self._http is not None:
+            await self._http.close()
+
+
+def new_workdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="ap-cluster-"))
+
+
+def remove_workdir(path: Path) -> None:
+    for child in path.iterdir():
+        with contextlib.suppress(OSError):
+            child.unlink()
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
