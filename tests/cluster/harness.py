@@ -160,14 +160,14 @@ class Cluster:
         node.process.send_signal(signal.SIGKILL)
         node.process.wait(timeout=10)
 
-    async def terminate(self, name: str, timeout: float = 15.0) -> None:
+    async def terminate(self, name: str, within: float = 15.0) -> None:
         """SIGTERM, then wait (off the loop: the node closes our clients meanwhile)."""
         node = self.nodes[name]
         if not node.alive:
             return
         node.process.send_signal(signal.SIGTERM)
         try:
-            await asyncio.to_thread(node.process.wait, timeout)
+            await asyncio.to_thread(node.process.wait, within)
         except subprocess.TimeoutExpired:
             node.process.kill()
             node.process.wait(timeout=10)

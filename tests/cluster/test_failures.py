@@ -141,7 +141,8 @@ async def test_redis_restart_mid_test(cluster: Cluster) -> None:
     clients = {
         name: await cluster.client(name, f"u-{name}", games=[("chess", "g1")]) for name in NODES
     }
-    expected = {f"u-{name}" for name in NODES}
+    leaving = await cluster.client("n3", "left-while-down")
+    expected = {f"u-{name}" for name in NODES} | {"left-while-down"}
     for client in clients.values():
         await wait_visible(client, expected, 5 + SLACK, "joins")
     snapshots = {name: c.presence.snapshots for name, c in clients.items()}
@@ -153,8 +154,10 @@ async def test_redis_restart_mid_test(cluster: Cluster) -> None:
     body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": "while-down"}}
     assert await cluster.publish("n1", body) == 202
     await clients["n1"].next_message(lambda m: m["payload"].get("n") == "while-down")
-    # A user joining while Redis is down is not lost.
+    # Users who come and go while Redis is down are not lost.
     late = await cluster.client("n2", "joined-while-down")
+    await leaving.close()
+    await asyncio.sleep(1.0)  # an outage longer than the reconnect backoff
 
     cluster.redis.start()
     restarted_at = time.monotonic()
@@ -162,6 +165,7 @@ async def test_redis_restart_mid_test(cluster: Cluster) -> None:
         await cluster.wait_ready(name, within=10)
     ready_after = time.monotonic() - restarted_at
     expected.add("joined-while-down")
+    expected.discard("left-while-down")
     for name, client in clients.items():
         # A fresh snapshot replaced the state, then deltas went on from it.
         await eventually(

@@ -1,0 +1,210 @@
+"""The Redis bus and the cluster presence backend in-process, against a real redis-server.
+
+The cluster tests drive them through whole nodes; these pin down the edges
+that are hard to reach from outside: reconnect order, fencing, stale commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import msgpack
+import pytest
+
+from protocol.envelope import PresenceHint, decode_envelope
+from protocol.messages import PresenceDelta
+from server.bus.redis_bus import BusUnavailable, RedisBus, channel_for
+from server.bus.topics import PRESENCE, PRESENCE_HINTS
+from server.cluster import RedisPresenceBackend
+from server.presence import delta_of
+from server.store.memory import MemoryStore
+from tests.cluster.harness import eventually
+from tests.services import RedisServer, free_port, start_redis_server
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = start_redis_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.got: list[tuple[str, bytes]] = []
+
+    def __call__(self, topic: str, data: bytes) -> None:
+        self.got.append((topic, data))
+
+    def on(self, topic: str) -> list[bytes]:
+        return [data for t, data in self.got if t == topic]
+
+
+@pytest.fixture
+async def buses(redis_server: RedisServer) -> AsyncIterator[list[tuple[RedisBus, Inbox]]]:
+    made: list[tuple[RedisBus, Inbox]] = []
+    for _ in range(2):
+        bus, inbox = RedisBus(redis_server.url, max_backoff=0.2), Inbox()
+        await bus.start(inbox)
+        made.append((bus, inbox))
+    yield made
+    for bus, _ in made:
+        await bus.close()
+
+
+def test_channels_keep_presence_in_one_slot_and_games_apart() -> None:
+    assert channel_for(PRESENCE) == "ap:{presence}:deltas"
+    assert channel_for(PRESENCE_HINTS) == "ap:{presence}:hints"
+    assert channel_for("game:chess#g1") == "ap:{game:chess#g1}"
+    assert channel_for("admin") == "ap:{admin}"
+
+
+async def test_start_fails_cleanly_without_redis() -> None:
+    bus = RedisBus(f"redis://127.0.0.1:{free_port()}/0", connect_timeout=0.5)
+    with pytest.raises(BusUnavailable):
+        await bus.start(Inbox())
+    assert not bus.connected
+
+
+async def test_the_bus_survives_a_redis_restart(
+    redis_server: RedisServer, buses: list[tuple[RedisBus, Inbox]]
+) -> None:
+    (a, inbox_a), (b, inbox_b) = buses
+    reconnects: list[bool] = []
+    a.on_reconnect(lambda: reconnects.append(a.connected))
+    await a.subscribe(["t"])
+    await b.subscribe(["t"])
+
+    redis_server.stop()
+    await eventually(lambda: not a.connected and not b.connected, 5, "the outage noticed")
+    # While Redis is away each bus still delivers to itself, and only to itself.
+    await a.publish("t", b"local")
+    await eventually(lambda: inbox_a.on("t") == [b"local"], 2, "local delivery")
+    await a.subscribe(["added-while-down"])
+
+    redis_server.start()
+    await eventually(lambda: a.connected and b.connected, 5, "the reconnect")
+    assert reconnects == [True], "the callback ran once, after resubscribing"
+    await b.publish("t", b"after")
+    await b.publish("added-while-down", b"new")
+    await eventually(lambda: inbox_a.on("added-while-down") == [b"new"], 2, "new topic")
+    assert inbox_a.on("t") == [b"local", b"after"]
+    assert inbox_b.on("t") == [b"after"]
+
+
+async def test_reconnect_callbacks_run_before_any_new_message(
+    redis_server: RedisServer, buses: list[tuple[RedisBus, Inbox]]
+) -> None:
+    _, (publisher, _) = buses
+    order: list[str] = []
+    bus = RedisBus(redis_server.url, max_backoff=0.2)
+    await bus.start(lambda topic, data: order.append(data.decode()))
+    try:
+        bus.on_reconnect(lambda: order.append("reconnected"))
+        await bus.subscribe(["t"])
+        redis_server.stop()
+        await eventually(lambda: not publisher.connected, 5, "the outage noticed")
+        redis_server.start()
+        # Publish as soon as Redis is back, likely before bus has resubscribed.
+        await eventually(lambda: publisher.connected, 5, "the publisher back")
+        for i in range(500):
+            await publisher.publish("t", str(i).encode())
+            await asyncio.sleep(0.01)
+            if bus.connected and len(order) > 1:
+                break
+        await publisher.publish("t", b"last")
+        await eventually(lambda: "last" in order, 5, "the bus back")
+        assert order.index("reconnected") == 0
+    finally:
+        await bus.close()
+
+
+@pytest.fixture
+async def backends(
+    redis_server: RedisServer,
+) -> AsyncIterator[tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox]]:
+    store = MemoryStore()
+    bus = RedisBus(redis_server.url)
+    inbox = Inbox()
+    await bus.start(inbox)
+    await bus.subscribe([PRESENCE, PRESENCE_HINTS])
+    one = RedisPresenceBackend(bus, store, node_id="one", lease_ms=400)
+    two = RedisPresenceBackend(bus, store, node_id="two", lease_ms=400)
+    for backend in (one, two):
+        await backend.start()
+    yield one, two, inbox
+    for backend in (one, two):
+        await backend.close()
+    await bus.close()
+
+
+async def test_one_writer_and_a_fenced_stale_one(
+    backends: tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox],
+) -> None:
+    one, two, inbox = backends
+    assert await one.lead()
+    assert not await two.lead()
+    await one.report({"alice": True})
+    await two.report({"alice": False, "bob": False})
+    live = await one.online(None)
+    assert live == {"alice": True, "bob": False}, "visible on any node is visible"
+    committed = await one.committed()
+    changes = {"alice": True, "bob": False}
+    delta = delta_of(committed.seq + 1, committed.users, changes)
+    assert not await two.commit(delta, changes), "only the lease holder commits"
+    assert await one.commit(delta, changes)
+    await eventually(lambda: len(inbox.on(PRESENCE)) == 1, 2, "the delta published")
+    assert decode_envelope(inbox.on(PRESENCE)[0]) == delta
+    assert (await two.committed()).users == {"alice": True, "bob": False}
+
+    # The lease lapses (one stops renewing): two takes over, one is fenced.
+    await asyncio.sleep(0.5)
+    assert await two.lead()
+    assert not await one.lead()
+    leave = delta_of(delta.seq + 1, {"alice": True, "bob": False}, {"alice": None})
+    assert not await one.commit(leave, {"alice": None})
+    assert await two.commit(leave, {"alice": None})
+    assert len(inbox.on(PRESENCE)) >= 1
+    await eventually(lambda: len(inbox.on(PRESENCE)) == 2, 2, "only two deltas")
+    hints = [decode_envelope(data) for data in inbox.on(PRESENCE_HINTS)]
+    assert all(isinstance(h, PresenceHint) for h in hints)
+
+
+async def test_a_commit_that_does_not_match_redis_is_refused(
+    backends: tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox],
+) -> None:
+    one, _, inbox = backends
+    assert await one.lead()
+    base = await one.committed()
+    good = delta_of(base.seq + 1, {}, {"alice": True})
+    assert await one.commit(good, {"alice": True})
+    # The same seq again, or an older one: refused.
+    assert not await one.commit(good, {"alice": True})
+    # A writer whose copy missed alice's join computes a wrong total: refused.
+    wrong = delta_of(base.seq + 2, {}, {"bob": True})
+    assert not await one.commit(wrong, {"bob": True})
+    # A writer that thinks alice was invisible would not send her leave: refused.
+    no_leave = PresenceDelta(seq=base.seq + 2, joins=(), leaves=(), total_count=0)
+    assert not await one.commit(no_leave, {"alice": None})
+    right = delta_of(base.seq + 2, {"alice": True}, {"alice": None})
+    assert await one.commit(right, {"alice": None})
+    await eventually(lambda: len(inbox.on(PRESENCE)) == 2, 2, "two deltas")
+    assert [decode_envelope(d) for d in inbox.on(PRESENCE)] == [good, right]
+
+
+async def test_hints_built_in_lua_are_envelopes(
+    backends: tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox],
+) -> None:
+    one, _, inbox = backends
+    await one.report({"alice": True, "bob": False})
+    await one.close()  # deregistering hints the users it withdraws, from Lua
+    await eventually(lambda: len(inbox.on(PRESENCE_HINTS)) >= 2, 2, "the hints")
+    last = inbox.on(PRESENCE_HINTS)[-1]
+    assert msgpack.unpackb(last)["v"] == 1
+    hint = decode_envelope(last)
+    assert isinstance(hint, PresenceHint)
+    assert hint.node_id == "one"
+    assert sorted(hint.user_ids) == ["alice", "bob"]
