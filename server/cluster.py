@@ -306,7 +306,7 @@ class RedisPresenceBackend:
                 if failing:
                     log.info("cluster heartbeat restored")
                     failing = False
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # this loop must outlive any failure
                 if not failing:
                     log.warning("cluster heartbeat failed: %s", exc)
                     failing = True

@@ -42,6 +42,14 @@ def still_open(client: Client) -> bool:
     return client.ws.close_code is None
 
 
+async def eventually_async(check: Any, read: Any, within: float) -> None:
+    """Wait until ``check(await read())`` holds."""
+    deadline = time.monotonic() + within
+    while not check(await read()):
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.2)
+
+
 async def wait_visible(client: Client, expected: set[str], within: float, what: str) -> None:
     await eventually(lambda: client.presence.visible == expected, within, what)
 
@@ -56,7 +64,9 @@ async def test_kill_9_of_a_node_withdraws_its_users_within_the_bound(cluster: Cl
     expected = {f"obs-{name}" for name in survivors} | {"alice", "bob"}
     for observer in observers:
         await wait_visible(observer, expected, 5 + SLACK, "everyone's join")
-    assert {r.endpoint for r in await cluster.rows()} == {*survivors, victim}
+    await eventually_async(
+        lambda rows: {r.endpoint for r in rows} == {*survivors, victim}, cluster.rows, 5 + SLACK
+    )
 
     cluster.kill(victim)
     killed_at = time.monotonic()
@@ -75,13 +85,6 @@ async def test_kill_9_of_a_node_withdraws_its_users_within_the_bound(cluster: Cl
     await eventually_async(
         lambda rows: victim not in {r.endpoint for r in rows}, cluster.rows, 5 + SLACK
     )
-
-
-async def eventually_async(check: Any, read: Any, within: float) -> None:
-    deadline = time.monotonic() + within
-    while not check(await read()):
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.2)
 
 
 async def test_leader_failover_keeps_seq_gap_free(cluster: Cluster) -> None:
