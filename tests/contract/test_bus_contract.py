@@ -137,9 +137,7 @@ async def test_only_subscribed_topics_arrive(
     assert listener.got == [(wanted, b"yes")]
 
 
-async def test_unsubscribe_stops_delivery(
-    new_bus: BusFactory, topic: Callable[[str], str]
-) -> None:
+async def test_unsubscribe_stops_delivery(new_bus: BusFactory, topic: Callable[[str], str]) -> None:
     publisher, listener = await new_bus(), await new_bus()
     t, marker = topic("t"), topic("marker")
     await listener.bus.subscribe([t, marker])
