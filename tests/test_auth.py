@@ -119,7 +119,7 @@ async def test_hs256_signed_with_the_public_key_is_refused(
     public_pem = rsa_key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    claims = {"sub": "mallory", "iss": ISSUER, "aud": CLIENT_ID, "token_use": "id"}
+    claims: dict[str, Any] = {"sub": "mallory", "iss": ISSUER, "aud": CLIENT_ID, "token_use": "id"}
     claims["exp"] = int(time.time()) + 600
     header = _b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "key-1"}).encode())
     body = _b64(json.dumps(claims).encode())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import msgpack
 
@@ -114,7 +115,7 @@ def random_frames(seed: int, count: int) -> list[str | bytes]:
         elif kind == 1:
             frames.append("".join(chr(rng.randrange(1, 0x2FFF)) for _ in range(rng.randrange(64))))
         else:
-            message = {"action": rng.choice(actions)}
+            message: dict[str, Any] = {"action": rng.choice(actions)}
             for key in ("games", "token", "invisible", "watchVersion"):
                 if rng.random() < 0.5:
                     message[key] = rng.choice(values)

@@ -99,7 +99,12 @@ async def test_the_frame_is_encoded_once_for_many_recipients(
     watchers = [await server.subscribed(f"u{i}", games=[("chess", "g1")]) for i in range(25)]
     calls: list[Any] = []
     original = codec.to_wire
-    monkeypatch.setattr(codec, "to_wire", lambda m: calls.append(m) or original(m))
+
+    def counting(message: Any) -> Any:
+        calls.append(message)
+        return original(message)
+
+    monkeypatch.setattr(codec, "to_wire", counting)
     await server.publish(move("chess", "g1"))
     for watcher in watchers:
         await watcher.next_message(lambda m: m["verb"] == "game")
@@ -162,7 +167,7 @@ async def test_a_slow_client_is_closed_and_delays_nobody(server: RunningServer) 
     for n in range(120):
         status, _ = await server.publish(move("chess", "g1", n=n, blob=blob))
         assert status == 202
-        await fast.next_message(lambda m, n=n: m["verb"] == "game" and m["payload"]["n"] == n)
+        await fast.next_message(lambda m: m["verb"] == "game" and m["payload"]["n"] == n)  # noqa: B023
     transport.resume_reading()
     code, reason = await slow.closed(within=10)
     assert (code, reason) == (4008, "slow consumer")

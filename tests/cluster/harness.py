@@ -217,7 +217,10 @@ class Cluster:
             token = await client.get("ap:{presence}:leader")
         finally:
             await client.aclose()
-        return None if token is None else token.decode().split("/", 1)[0]
+        if token is None:
+            return None
+        text = token.decode() if isinstance(token, bytes) else token
+        return str(text).split("/", 1)[0]
 
     async def wait_leader(self, within: float = 10.0, other_than: str | None = None) -> str:
         deadline = time.monotonic() + within
@@ -272,3 +275,8 @@ def remove_workdir(path: Path) -> None:
             child.unlink()
     with contextlib.suppress(OSError):
         os.rmdir(path)
+
+
+async def wait_visible(client: Client, expected: set[str], within: float, what: str) -> None:
+    """Wait until ``client`` shows exactly ``expected`` as visible."""
+    await eventually(lambda: client.presence.visible == expected, within, what)

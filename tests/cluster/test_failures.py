@@ -22,7 +22,7 @@ from tests.cluster.harness import (
     LEASE_MS,
     SLACK,
     Cluster,
-    eventually,
+    wait_visible,
 )
 
 NODES = ("n1", "n2", "n3")
@@ -48,10 +48,6 @@ async def eventually_async(check: Any, read: Any, within: float) -> None:
     while not check(await read()):
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.2)
-
-
-async def wait_visible(client: Client, expected: set[str], within: float, what: str) -> None:
-    await eventually(lambda: client.presence.visible == expected, within, what)
 
 
 async def test_kill_9_of_a_node_withdraws_its_users_within_the_bound(cluster: Cluster) -> None:
@@ -171,9 +167,7 @@ async def test_redis_restart_mid_test(cluster: Cluster) -> None:
     expected.discard("left-while-down")
     for name, client in clients.items():
         # A fresh snapshot replaced the state, then deltas went on from it.
-        await eventually(
-            lambda c=client, n=name: c.presence.snapshots > snapshots[n], 5 + SLACK, "a snapshot"
-        )
+        await client.wait_for(lambda: client.presence.snapshots > snapshots[name], 5 + SLACK)  # noqa: B023
         await wait_visible(client, expected, 5 + SLACK, "presence after the restart")
         assert still_open(client)
         assert client.presence.total_count == len(expected)
@@ -185,7 +179,7 @@ async def test_redis_restart_mid_test(cluster: Cluster) -> None:
         body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": marker}}
         assert await cluster.publish(source, body) == 202
         for client in clients.values():
-            await client.next_message(lambda m, k=marker: m["payload"].get("n") == k)
+            await client.next_message(lambda m: m["payload"].get("n") == marker)  # noqa: B023
     # And presence goes on as one stream.
     await late.close()
     expected.discard("joined-while-down")

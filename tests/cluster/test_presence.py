@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from tests.client import Client
-from tests.cluster.harness import DEBOUNCE_MS, SLACK, Cluster, eventually
+from tests.cluster.harness import DEBOUNCE_MS, SLACK, Cluster, eventually, wait_visible
 
 
 def deltas(client: Client) -> list[dict[str, Any]]:
@@ -32,12 +32,12 @@ async def test_one_stream_and_one_state_on_every_node(cluster: Cluster) -> None:
         users.append(await cluster.client(name, f"user{i}", invisible=(i == 4)))
     expected = {f"obs-{n}" for n in ("n1", "n2", "n3")} | {f"user{i}" for i in range(9) if i != 4}
     for observer in observers:
-        await eventually(lambda o=observer: o.presence.visible == expected, 5 + SLACK, "joins")
+        await wait_visible(observer, expected, 5 + SLACK, "joins")
     await users[0].close()
     await users[5].close()
     expected -= {"user0", "user5"}
     for observer in observers:
-        await eventually(lambda o=observer: o.presence.visible == expected, 5 + SLACK, "leaves")
+        await wait_visible(observer, expected, 5 + SLACK, "leaves")
         await observer.barrier()
     seqs = {observer.presence.seq for observer in observers}
     assert len(seqs) == 1, "every node shows the same seq"

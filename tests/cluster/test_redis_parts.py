@@ -17,7 +17,7 @@ from protocol.messages import PresenceDelta
 from server.bus.redis_bus import BusUnavailable, RedisBus, channel_for
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.cluster import RedisPresenceBackend
-from server.presence import delta_of
+from server.presence import Changes, delta_of
 from server.store.memory import MemoryStore
 from tests.cluster.harness import eventually
 from tests.services import RedisServer, free_port, start_redis_server
@@ -152,7 +152,7 @@ async def test_one_writer_and_a_fenced_stale_one(
     live = await one.online(None)
     assert live == {"alice": True, "bob": False}, "visible on any node is visible"
     committed = await one.committed()
-    changes = {"alice": True, "bob": False}
+    changes: Changes = {"alice": True, "bob": False}
     delta = delta_of(committed.seq + 1, committed.users, changes)
     assert not await two.commit(delta, changes), "only the lease holder commits"
     assert await one.commit(delta, changes)
