@@ -1,0 +1,1 @@
+"""Load tests for the real-time server: ``python -m loadtest SCENARIO [options]``."""

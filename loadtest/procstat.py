@@ -1,0 +1,101 @@
+"""Read a process's CPU seconds and resident memory from ``/proc``, and raise fd limits.
+
+The same readers serve our server, the baseline, Redis and the generator's own
+processes, so every CPU figure in a run is measured the same way: user plus
+system time the kernel charged to that process, never wall time.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (``utime + stime`` of ``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        data = stat.read()
+    # The command name (field 2) may hold spaces; fields after it are plain.
+    fields = data[data.rindex(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process (``VmRSS`` of ``/proc/PID/status``)."""
+    with open(f"/proc/{pid}/status", "rb") as status:
+        for line in status:
+            if line.startswith(b"VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}/stat")
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; return the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            print(f"loadtest: cannot raise the fd limit: {exc}", file=sys.stderr)
+    return soft
+
+
+def machine() -> dict[str, object]:
+    """What the figures were measured on."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as meminfo:
+            mem_kib = int(meminfo.readline().split()[1])
+    except (OSError, ValueError, IndexError):
+        mem_kib = 0
+    return {
+        "cpus": os.cpu_count() or 1,
+        "cpu_model": model,
+        "memory_gib": round(mem_kib / 1024 / 1024, 1),
+        "kernel": os.uname().release,
+        "python": sys.version.split()[0],
+    }
+
+
+TCP_COUNTERS = ("ListenOverflows", "ListenDrops", "SyncookiesSent", "TCPReqQFullDrop")
+
+
+def tcp_counters() -> dict[str, int]:
+    """System-wide TCP listen-queue counters (``TcpExt`` of ``/proc/net/netstat``)."""
+    try:
+        with open("/proc/net/netstat") as netstat:
+            lines = netstat.read().splitlines()
+    except OSError:
+        return {}
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        keys, numbers = names.split(), values.split()
+        if keys and keys[0] == "TcpExt:":
+            table = dict(zip(keys[1:], numbers[1:], strict=False))
+            return {name: int(table.get(name, 0)) for name in TCP_COUNTERS}
+    return {}
+
+
+def somaxconn() -> int:
+    try:
+        with open("/proc/sys/net/core/somaxconn") as value:
+            return int(value.read())
+    except (OSError, ValueError):
+        return 0

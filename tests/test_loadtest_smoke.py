@@ -1,0 +1,186 @@
+"""Every load-test scenario, run at a tiny size through the real CLI, so the tooling cannot rot.
+
+The runs are real: servers start as subprocesses, generator workers connect
+over 127.0.0.1, and each run writes its JSON (and for some a report with
+plots). They run three at a time to keep the whole module near a minute on
+a two-core machine. The assertions check that the figures exist and are
+sane, not that the targets are met: targets are for full-size runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+REDIS_BUS_MODULES = (REPO / "server" / "bus" / "redis.py", REPO / "server" / "bus" / "redis_bus.py")
+HAS_REDIS_BUS = any(path.exists() for path in REDIS_BUS_MODULES)
+
+TINY = ["--no-progress", "--workers", "1", "--timeout", "150"]
+FANOUT = [
+    "-n",
+    "20",
+    "--games",
+    "4",
+    "--games-per-conn",
+    "2",
+    "--duration",
+    "1",
+    "--saturation-seconds",
+    "0.5",
+    "--warmup-seconds",
+    "0",
+    "--rounds",
+    "1",
+]
+PRESENCE = ["--churn", "10", "--duration", "1", "--debounce-ms", "100", "--hold", "0.5"]
+
+SCENARIOS: dict[str, list[str]] = {
+    "idle": ["-n", "20", "--games", "4", "--games-per-conn", "2", "--duration", "0.5"],
+    "fanout": FANOUT,
+    "baseline": FANOUT,
+    "storm": ["-n", "20"],
+    "presence": ["-n", "20", *PRESENCE],
+    "cluster": [*FANOUT, *PRESENCE, "--no-baseline"],
+}
+WITH_REPORT = {"fanout", "presence", "storm"}
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    output: str
+    figures: dict[str, Any] | None
+    report: Path | None
+
+
+def _run(name: str, root: Path) -> Outcome:
+    json_path = root / f"{name}.json"
+    argv = [sys.executable, "-m", "loadtest", name, *SCENARIOS[name], *TINY]
+    argv += ["--json", str(json_path)]
+    report = root / f"{name}-report" if name in WITH_REPORT else None
+    if report is not None:
+        argv += ["--report", str(report)]
+    try:
+        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as exc:
+        return Outcome(-1, f"timed out: {exc}", None, report)
+    figures = json.loads(json_path.read_text()) if json_path.exists() else None
+    return Outcome(done.returncode, done.stdout + done.stderr, figures, report)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Outcome]]:
+    root = tmp_path_factory.mktemp("loadtest")
+    names = [name for name in SCENARIOS if name != "cluster" or HAS_REDIS_BUS]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = dict(zip(names, pool.map(lambda name: _run(name, root), names), strict=True))
+    yield results
+
+
+def _figures(outcomes: dict[str, Outcome], name: str) -> dict[str, Any]:
+    outcome = outcomes[name]
+    assert outcome.returncode == 0, outcome.output[-3000:]
+    assert outcome.figures is not None, outcome.output[-3000:]
+    figures = outcome.figures
+    assert figures["scenario"] == name
+    assert figures["generator"]["generator_cpu_s"] >= 0
+    assert figures["series"], "no samples were taken"
+    for target in figures["figures"]["targets"]:
+        assert target["verdict"] in ("pass", "short")
+    assert "targets:" in outcome.output or not figures["figures"]["targets"]
+    servers: dict[str, Any] = figures["figures"]["servers"]
+    return servers
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _check_fanout(figs: dict[str, Any]) -> None:
+    assert figs["subscribed"] == 20
+    for phase in ("saturate", "steady"):
+        p = figs[phase]
+        assert p["publishes"] > 0
+        assert p["delivered"] > 0
+        assert p["lost"] == 0, p
+        assert _finite(p["delivered_per_cpu_s"]) and p["delivered_per_cpu_s"] > 0
+        assert _finite(p["latency"]["p99_ms"])
+        assert p["server_cpu_s"] > 0
+
+
+def _check_presence(figs: dict[str, Any]) -> None:
+    assert figs["subscribed"] == 20
+    assert figs["gaps"] == 0
+    assert figs["actions"] > 0
+    assert figs["actions_seen"] == figs["actions"]
+    assert figs["missed_receipts"] == 0
+    assert figs["state_mismatches"] == 0
+    assert figs["full_observers_verified"] > 0
+    assert _finite(figs["all_observers_ms"]["p99_ms"])
+
+
+def test_idle(outcomes: dict[str, Outcome]) -> None:
+    servers = _figures(outcomes, "idle")
+    assert set(servers) == {"baseline", "ours"}
+    for figs in servers.values():
+        assert figs["subscribed"] == 20
+        assert _finite(figs["rss_per_connection_kib"])
+        assert figs["rss_after_bytes"] > 0
+
+
+def test_fanout(outcomes: dict[str, Outcome]) -> None:
+    result = outcomes["fanout"].figures
+    servers = _figures(outcomes, "fanout")
+    assert set(servers) == {"baseline", "ours"}
+    for figs in servers.values():
+        _check_fanout(figs)
+    assert result is not None
+    assert _finite(result["figures"]["ratios"]["delivered_per_cpu_s_saturated"])
+    report = outcomes["fanout"].report
+    assert report is not None
+    for name in ("report.md", "latency.png", "throughput.png", "memory.png"):
+        assert (report / name).stat().st_size > 0, name
+    text = (report / "report.md").read_text()
+    assert "baseline" in text and "Ratio" in text
+
+
+def test_baseline(outcomes: dict[str, Outcome]) -> None:
+    servers = _figures(outcomes, "baseline")
+    assert set(servers) == {"baseline"}
+    _check_fanout(servers["baseline"])
+
+
+def test_storm(outcomes: dict[str, Outcome]) -> None:
+    servers = _figures(outcomes, "storm")
+    for figs in servers.values():
+        assert figs["subscribed"] == 20
+        assert figs["failed_connects"] == 0
+        assert _finite(figs["time_to_all_subscribed_s"])
+    report = outcomes["storm"].report
+    assert report is not None and (report / "latency.png").exists()
+
+
+def test_presence(outcomes: dict[str, Outcome]) -> None:
+    servers = _figures(outcomes, "presence")
+    _check_presence(servers["ours"])
+    report = outcomes["presence"].report
+    assert report is not None and (report / "latency.png").exists()
+
+
+@pytest.mark.skipif(not HAS_REDIS_BUS, reason="the server has no Redis bus module yet")
+def test_cluster(outcomes: dict[str, Outcome]) -> None:
+    servers = _figures(outcomes, "cluster")
+    cluster = servers["cluster"]
+    assert cluster["nodes"] == 2
+    _check_fanout(cluster["fanout"])
+    _check_presence(cluster["presence"])
