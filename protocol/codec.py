@@ -1,8 +1,8 @@
 """Encode server messages into frames, once per event and format.
 
 A :class:`Frame` is built once per event and handed to every recipient. Its
-JSON text (browsers) and msgpack bytes (``ap.msgpack`` clients) are each
-produced at most once, on first use.
+JSON text (browsers) and msgpack bytes (``ap.msgpack`` clients), and the
+WebSocket frames that carry them, are each produced at most once, on first use.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from functools import cached_property
 from typing import Any
 
 import msgpack
+from websockets.frames import Frame as WireFrame
+from websockets.frames import Opcode
 
 from protocol.messages import (
     AdminTest,
@@ -79,3 +81,16 @@ class Frame:
         """The msgpack binary frame."""
         data: bytes = msgpack.packb(self.wire, use_bin_type=True)
         return data
+
+    # A server frame is never masked, so without extensions its bytes on the wire
+    # are the same for every socket: frame it once, write it to each.
+
+    @cached_property
+    def text_wire(self) -> bytes:
+        """The complete WebSocket text frame (header and payload), unmasked."""
+        return WireFrame(Opcode.TEXT, self.text_utf8).serialize(mask=False)
+
+    @cached_property
+    def binary_wire(self) -> bytes:
+        """The complete WebSocket binary frame (header and payload), unmasked."""
+        return WireFrame(Opcode.BINARY, self.binary).serialize(mask=False)

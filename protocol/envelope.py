@@ -26,6 +26,9 @@ class PresenceHint:
 
     node_id: str
     user_ids: tuple[str, ...]
+    # When the first of these changes happened (epoch seconds), so the writer's
+    # debounce window starts then and not when the hint arrives. None: unknown.
+    changed_at: float | None = None
 
 
 Envelope = Broadcast | PresenceDelta | PresenceHint
@@ -51,6 +54,8 @@ def encode_envelope(envelope: Envelope) -> bytes:
         }
     else:
         body = {"k": "hint", "node": envelope.node_id, "users": list(envelope.user_ids)}
+        if envelope.changed_at is not None:
+            body["at"] = envelope.changed_at
     body["v"] = ENVELOPE_VERSION
     data: bytes = msgpack.packb(body, use_bin_type=True)
     return data
@@ -82,7 +87,12 @@ def decode_envelope(data: bytes) -> Envelope:
                 total_count=int(body["total"]),
             )
         if kind == "hint":
-            return PresenceHint(node_id=body["node"], user_ids=tuple(body["users"]))
+            at = body.get("at")
+            return PresenceHint(
+                node_id=body["node"],
+                user_ids=tuple(body["users"]),
+                changed_at=float(at) if isinstance(at, int | float) else None,
+            )
         raise EnvelopeError(f"unknown envelope kind {kind!r}")
     except EnvelopeError:
         raise

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
+import resource
 import signal
 from collections.abc import Sequence
 
@@ -155,7 +157,23 @@ def bound_port(server: Server) -> int:
     return port
 
 
+def tune_process() -> None:
+    """Settings of the process, not of the node: file descriptors and the collector."""
+    # Each socket is a file descriptor; 10,000 clients need more than the usual
+    # soft limit of 1024, and the hard limit is ours to take.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    # Connections are long-lived objects by the ten thousand: with the default
+    # thresholds, full collections walk all of them again and again during a
+    # connect storm (measured: 25-320 ms pauses) and free nothing. Collect the
+    # young generation less often and the old one far less often.
+    gc.set_threshold(50_000, 20, 100)
+
+
 async def serve_forever(settings: Settings) -> None:
+    tune_process()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -163,6 +181,7 @@ async def serve_forever(settings: Settings) -> None:
     node = await build_node(settings)
     await node.start()
     ws_server, runner = await start_listeners(node)
+    gc.freeze()  # what start-up allocated lives as long as the process
     mode = "cluster node (Redis bus)" if settings.clustered else "embedded (in-process bus)"
     log.info(
         "ap-realtime %s: ws://%s:%d, internal http://%s:%d, node %s, %s store, auth %s",

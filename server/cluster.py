@@ -187,12 +187,14 @@ class RedisPresenceBackend:
 
     # --- PresenceBackend ----------------------------------------------------
 
-    async def report(self, changes: Changes) -> None:
+    async def report(self, changes: Changes, changed_at: float) -> None:
         async with self._write_lock:
             apply_changes(self._mine, changes)
             visible = {user: _state(state) for user, state in changes.items() if state is not None}
             gone = [user for user, state in changes.items() if state is None]
-            hint = PresenceHint(node_id=self._node_id, user_ids=tuple(changes))
+            hint = PresenceHint(
+                node_id=self._node_id, user_ids=tuple(changes), changed_at=changed_at
+            )
             pipe = self._client.pipeline(transaction=True)
             if visible:
                 pipe.hset(self._node_key, mapping=visible)  # type: ignore[arg-type]

@@ -3,6 +3,8 @@
 The outbox is the transport's own write buffer: a frame is written at once,
 and a session whose buffer is over the limit is a slow consumer and is
 closed. No per-client queue or task sits between an event and the socket.
+Every write to a client goes through :func:`send_frame`, synchronously, so
+frames reach a socket in the order the node sends them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import uuid
 from collections.abc import Iterable
 
-from websockets.asyncio.server import ServerConnection, broadcast
+from websockets.asyncio.server import ServerConnection
 from websockets.protocol import State
 
 from protocol.codec import Frame
@@ -48,6 +50,9 @@ class Session:
     )
 
     def __init__(self, ws: ServerConnection) -> None:
+        if ws.protocol.extensions:
+            # send_frame writes pre-framed bytes, valid only without extensions.
+            raise ValueError("sessions do not support WebSocket extensions")
         self.ws = ws
         self.connection_id = f"{uuid.uuid4().hex[:20]}{next(_ids):x}"
         self.binary = ws.subprotocol == MSGPACK_SUBPROTOCOL
@@ -68,10 +73,6 @@ class Session:
         """A client that never asked for targeted watch gets every game event."""
         return self.watch_version is None and not self.watching
 
-    def buffered(self) -> int:
-        transport = self.ws.transport
-        return 0 if transport is None else transport.get_write_buffer_size()
-
     def send(self, frame: Frame, outbox_limit: int) -> None:
         """Write one frame now, or close the session if it cannot keep up."""
         send_frame([self], frame, outbox_limit)
@@ -89,27 +90,25 @@ class Session:
 
 
 def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> int:
-    """Write ``frame`` to every open session, encoded once per format.
+    """Write ``frame`` to every open session; returns how many got it.
 
-    Sessions whose outbox is over ``outbox_limit`` bytes are closed as slow
-    consumers instead; nobody else waits for them. Returns frames written.
+    The WebSocket frame is serialized once per format and its bytes go straight
+    to each transport (what ``websockets.broadcast`` does, minus framing the
+    same bytes again per socket). Sessions whose outbox is over ``outbox_limit``
+    bytes are closed as slow consumers instead; nobody else waits for them.
     """
-    texts: list[ServerConnection] = []
-    binaries: list[ServerConnection] = []
+    sent = 0
     for session in sessions:
         ws = session.ws
         if ws.protocol.state is not State.OPEN or session.close_task is not None:
             continue
-        if session.buffered() > outbox_limit:
+        transport = ws.transport
+        if transport.get_write_buffer_size() > outbox_limit:
             slow_consumers.inc()
             log.info("closing slow consumer %s", session)
             session.close(CloseCode.SLOW_CONSUMER, "slow consumer")
             continue
-        (binaries if session.binary else texts).append(ws)
-    if texts:
-        broadcast(texts, frame.text_utf8, text=True)
-    if binaries:
-        broadcast(binaries, frame.binary)
-    sent = len(texts) + len(binaries)
+        transport.write(frame.binary_wire if session.binary else frame.text_wire)
+        sent += 1
     frames_sent.inc(sent)
     return sent

@@ -90,6 +90,7 @@ class Node:
             "presence-reports", self._report, lambda _old, new: new, bus_failures
         )
         # None asks the delta loop to reload the view and push fresh snapshots.
+        self._reports_since: float | None = None  # when the oldest unreported change happened
         self._deltas: asyncio.Queue[PresenceDelta | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self.ready = False
@@ -288,11 +289,15 @@ class Node:
         return {}
 
     def _queue_reports(self) -> None:
-        for user_id, state in self.local_presence.take_pending().items():
+        pending = self.local_presence.take_pending()
+        if pending and self._reports_since is None:
+            self._reports_since = time.time()
+        for user_id, state in pending.items():
             self._reports.put(user_id, state)
 
     async def _report(self, batch: dict[str, bool | None]) -> dict[str, bool | None]:
-        await self.presence_backend.report(batch)
+        since, self._reports_since = self._reports_since, None
+        await self.presence_backend.report(batch, time.time() if since is None else since)
         return {}
 
     async def _ttl_loop(self) -> None:
@@ -332,7 +337,7 @@ class Node:
         elif isinstance(envelope, PresenceDelta) and topic == PRESENCE:
             self._deltas.put_nowait(envelope)
         elif isinstance(envelope, PresenceHint) and topic == PRESENCE_HINTS:
-            self.writer.hint(envelope.user_ids)
+            self.writer.hint(envelope.user_ids, envelope.changed_at)
 
     def _route(self, topic: str, message: Broadcast) -> None:
         event = message.event

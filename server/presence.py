@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -65,8 +66,11 @@ class PresenceBackend(Protocol):
 
     async def close(self) -> None: ...
 
-    async def report(self, changes: Changes) -> None:
-        """Record this node's user changes, then hint the writer about them."""
+    async def report(self, changes: Changes, changed_at: float) -> None:
+        """Record this node's user changes, then hint the writer about them.
+
+        ``changed_at`` (epoch seconds) is when the first of them happened.
+        """
 
     async def online(self, user_ids: Collection[str] | None) -> UserStates:
         """Cluster-wide state of these users (all online users when None)."""
@@ -99,13 +103,9 @@ class MemoryPresenceBackend:
     async def close(self) -> None:
         return None
 
-    async def report(self, changes: Changes) -> None:
-        for user_id, state in changes.items():
-            if state is None:
-                self._live.pop(user_id, None)
-            else:
-                self._live[user_id] = state
-        hint = PresenceHint(node_id=self._node_id, user_ids=tuple(changes))
+    async def report(self, changes: Changes, changed_at: float) -> None:
+        apply_changes(self._live, changes)
+        hint = PresenceHint(node_id=self._node_id, user_ids=tuple(changes), changed_at=changed_at)
         await self._bus.publish(PRESENCE_HINTS, encode_envelope(hint))
 
     async def online(self, user_ids: Collection[str] | None) -> UserStates:
@@ -255,6 +255,7 @@ class PresenceWriter:
         self._wakeup = asyncio.Event()
         self._committed: CommittedPresence | None = None  # set while leading
         self._full = False  # next flush looks at every user
+        self._window_opened: float | None = None  # epoch seconds
         self._reserved = 0  # highest seq known to be taken from wsMeta
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -276,10 +277,19 @@ class PresenceWriter:
                 await task
         self._tasks = []
 
-    def hint(self, user_ids: Iterable[str]) -> None:
-        """Some users may have changed; look at them after the debounce window."""
+    def hint(self, user_ids: Iterable[str], changed_at: float | None = None) -> None:
+        """Some users may have changed; look at them after the debounce window.
+
+        The window opens when the first change of it happened, if known, so the
+        time a change spent reaching the writer is not added to its latency.
+        """
         if self._committed is None:
             return
+        now = time.time()
+        if self._window_opened is None:
+            # Clocks of other nodes may be off: trust ``changed_at`` only within a window.
+            opened = now if changed_at is None else changed_at
+            self._window_opened = min(now, max(opened, now - self._debounce))
         self._dirty.update(user_ids)
         self._wakeup.set()
 
@@ -317,7 +327,9 @@ class PresenceWriter:
             await self._wakeup.wait()
             # Debounce: gather every change of the window into one delta, so a
             # connect and disconnect inside it cancel out.
-            await asyncio.sleep(self._debounce)
+            opened = time.time() if self._window_opened is None else self._window_opened
+            await asyncio.sleep(max(0.0, opened + self._debounce - time.time()))
+            self._window_opened = None
             self._wakeup.clear()
             try:
                 await self.flush()

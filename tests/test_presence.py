@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from protocol.envelope import decode_envelope
 from protocol.messages import PresenceDelta
-from server.presence import delta_of, diff
+from server.bus.memory import MemoryBus
+from server.bus.topics import PRESENCE
+from server.presence import MemoryPresenceBackend, PresenceWriter, delta_of, diff
 from server.store.memory import MemoryStore
 from tests.client import Client
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
@@ -169,3 +174,42 @@ def test_delta_of_counts_and_orders() -> None:
     assert delta_of(7, committed, changes) == PresenceDelta(
         seq=7, joins=("b",), leaves=("c",), total_count=3
     )
+
+
+async def test_the_debounce_window_opens_when_the_change_happened() -> None:
+    store = MemoryStore()
+    bus = MemoryBus()
+    deltas: list[bytes] = []
+    await bus.start(lambda _topic, data: deltas.append(data))
+    await bus.subscribe([PRESENCE])
+    backend = MemoryPresenceBackend(bus, store, "n1")
+    await backend.start()
+    writer = PresenceWriter(backend, store, debounce=1.0)
+    writer.start()
+    try:
+        await asyncio.wait_for(_until(lambda: writer.leading), 5)
+        await asyncio.sleep(1.2)  # the takeover's own look at everyone is over
+        await backend.report({"alice": True}, time.time())
+        started = time.monotonic()
+        # The change happened 0.7 s ago (it took that long to reach the writer).
+        writer.hint(["alice"], changed_at=time.time() - 0.7)
+        await asyncio.wait_for(_until(lambda: bool(deltas)), 5)
+        assert time.monotonic() - started < 0.6
+        delta = decode_envelope(deltas[0])
+        assert isinstance(delta, PresenceDelta) and delta.joins == ("alice",)
+        # A time from a clock far ahead or behind still waits at most one window.
+        await backend.report({"bob": True}, time.time())
+        started = time.monotonic()
+        writer.hint(["bob"], changed_at=time.time() + 3600)
+        await asyncio.wait_for(_until(lambda: len(deltas) == 2), 5)
+        assert 0.9 < time.monotonic() - started < 1.5
+    finally:
+        await writer.close()
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in 10 s")

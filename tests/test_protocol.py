@@ -284,11 +284,32 @@ def test_a_frame_is_encoded_once_per_format(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(codec, "to_wire", counting)
     frame = Frame(AdminTest(payload={"x": 1}))
-    first = frame.text_utf8
+    first = frame.text_wire
     for _ in range(100):
-        assert frame.text_utf8 is first
-        assert frame.binary is frame.binary
+        assert frame.text_wire is first
+        assert frame.binary_wire is frame.binary_wire
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("size", [10, 200, 70_000])
+def test_wire_frames_are_what_a_websocket_reader_parses(size: int) -> None:
+    from websockets.frames import Frame as WireFrame
+    from websockets.frames import Opcode
+    from websockets.streams import StreamReader
+
+    frame = Frame(AdminTest(payload="x" * size))
+    for data, opcode, payload in (
+        (frame.text_wire, Opcode.TEXT, frame.text.encode()),
+        (frame.binary_wire, Opcode.BINARY, frame.binary),
+    ):
+        reader = StreamReader()
+        reader.feed_data(data)
+        parser = WireFrame.parse(reader.read_exact, mask=False)
+        try:
+            next(parser)
+        except StopIteration as done:
+            parsed = done.value
+        assert (parsed.opcode, parsed.data, parsed.fin) == (opcode, payload, True)
 
 
 # --- envelopes --------------------------------------------------------------
@@ -304,6 +325,7 @@ def test_a_frame_is_encoded_once_per_format(monkeypatch: pytest.MonkeyPatch) -> 
         Broadcast(event=AdminTest(payload=[1, "x"])),
         PresenceDelta(seq=9, joins=("a",), leaves=(), total_count=4),
         PresenceHint(node_id="n1", user_ids=("a", "b")),
+        PresenceHint(node_id="n1", user_ids=("a",), changed_at=1_700_000_000.25),
     ],
 )
 def test_envelopes_round_trip(envelope: Any) -> None:

@@ -7,6 +7,7 @@ that are hard to reach from outside: reconnect order, fencing, stale commits.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import msgpack
@@ -147,8 +148,8 @@ async def test_one_writer_and_a_fenced_stale_one(
     one, two, inbox = backends
     assert await one.lead()
     assert not await two.lead()
-    await one.report({"alice": True})
-    await two.report({"alice": False, "bob": False})
+    await one.report({"alice": True}, time.time())
+    await two.report({"alice": False, "bob": False}, time.time())
     live = await one.online(None)
     assert live == {"alice": True, "bob": False}, "visible on any node is visible"
     committed = await one.committed()
@@ -199,7 +200,7 @@ async def test_hints_built_in_lua_are_envelopes(
     backends: tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox],
 ) -> None:
     one, _, inbox = backends
-    await one.report({"alice": True, "bob": False})
+    await one.report({"alice": True, "bob": False}, time.time())
     await one.close()  # deregistering hints the users it withdraws, from Lua
     await eventually(lambda: len(inbox.on(PRESENCE_HINTS)) >= 2, 2, "the hints")
     last = inbox.on(PRESENCE_HINTS)[-1]
