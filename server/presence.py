@@ -328,7 +328,16 @@ class PresenceWriter:
             # Debounce: gather every change of the window into one delta, so a
             # connect and disconnect inside it cancel out.
             opened = time.time() if self._window_opened is None else self._window_opened
-            await asyncio.sleep(max(0.0, opened + self._debounce - time.time()))
+            # Take the window's seq from wsMeta while it is open, so that round
+            # trip is not between the window's end and the clients.
+            reserving = asyncio.create_task(self._reserve_next_seq())
+            try:
+                await asyncio.sleep(max(0.0, opened + self._debounce - time.time()))
+                await reserving
+            except Exception as exc:
+                log.info("presence seq reservation failed; the flush retries it: %s", exc)
+            finally:
+                reserving.cancel()
             self._window_opened = None
             self._wakeup.clear()
             try:
@@ -338,6 +347,11 @@ class PresenceWriter:
                 log.warning("presence flush failed, will retry: %s", exc)
                 self._wakeup.set()
                 await asyncio.sleep(random.uniform(0.2, 1.0))
+
+    async def _reserve_next_seq(self) -> None:
+        committed = self._committed
+        if committed is not None and committed.seq + 1 > self._reserved:
+            self._reserved = max(self._reserved, await self._store.next_presence_seq())
 
     async def flush(self) -> None:
         committed = self._committed
