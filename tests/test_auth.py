@@ -140,7 +140,7 @@ async def test_rs256_is_refused_when_only_dev_tokens_are_enabled(
 
 
 async def test_other_algorithms_and_garbage_are_refused(authenticator: Authenticator) -> None:
-    hs512 = jwt.encode({"sub": "u"}, DEV_SECRET, algorithm="HS512")
+    hs512 = jwt.encode({"sub": "u"}, DEV_SECRET * 2, algorithm="HS512")
     with pytest.raises(AuthError, match="not accepted"):
         await authenticator.verify(hs512)
     with pytest.raises(AuthError, match="malformed"):
