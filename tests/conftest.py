@@ -6,20 +6,24 @@ import contextlib
 import dataclasses
 import json
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import boto3
 import pytest
 
 from server.app import bound_port, build_node, start_listeners
 from server.config import Settings
 from server.node import Node
 from server.store.base import Store
+from server.store.dynamodb import create_table
 from tests.client import DEV_SECRET, Client
 from tests.services import dynamodb_endpoint_for_tests
 
 PUBLISH_SECRET = "publish-secret-for-tests"
+TEST_REGION = "us-east-1"
 
 TEST_SETTINGS = Settings(
     port=0,
@@ -112,6 +116,24 @@ def dynamodb_endpoint() -> Iterator[str]:
     """A DynamoDB endpoint: ``AP_TEST_DYNAMODB_ENDPOINT`` or a moto server for the session."""
     with dynamodb_endpoint_for_tests() as endpoint:
         yield endpoint
+
+
+async def new_table(endpoint: str) -> str:
+    """Create a fresh table (TTL on), so DynamoDB tests never see each other's rows."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    await create_table(endpoint, name, TEST_REGION)
+    return name
+
+
+@pytest.fixture
+async def table(dynamodb_endpoint: str) -> str:
+    return await new_table(dynamodb_endpoint)
+
+
+@pytest.fixture
+def raw(dynamodb_endpoint: str) -> Any:
+    """A plain, synchronous boto3 client: reads the table the way the backend does."""
+    return boto3.client("dynamodb", endpoint_url=dynamodb_endpoint, region_name=TEST_REGION)
 
 
 @pytest.fixture

@@ -11,29 +11,16 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import boto3
 import pytest
 
 from server.metrics import REGISTRY
 from server.store.base import ConnectionRecord
-from server.store.dynamodb import DynamoStore, create_table
+from server.store.dynamodb import DynamoStore
 from tests.client import Client
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
 from tests.services import DynamoFaultProxy, free_port
 
 REGION = "us-east-1"
-
-
-@pytest.fixture
-async def table(dynamodb_endpoint: str) -> str:
-    name = f"node-{uuid.uuid4().hex[:12]}"
-    await create_table(dynamodb_endpoint, name, REGION)
-    return name
-
-
-@pytest.fixture
-def raw(dynamodb_endpoint: str) -> Any:
-    return boto3.client("dynamodb", endpoint_url=dynamodb_endpoint, region_name=REGION)
 
 
 @pytest.fixture

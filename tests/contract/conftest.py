@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 
 from server.store import MemoryStore, Store
-from server.store.dynamodb import DynamoStore, create_table
+from server.store.dynamodb import DynamoStore
+from tests.conftest import TEST_REGION, new_table
 
-REGION = "us-east-1"
+REGION = TEST_REGION
 
 
 @pytest.fixture(params=["memory", "dynamodb"])
@@ -21,8 +21,7 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
         impl = MemoryStore()
     else:
         endpoint: str = request.getfixturevalue("dynamodb_endpoint")
-        table = f"contract-{uuid.uuid4().hex[:12]}"
-        await create_table(endpoint, table, REGION)
+        table = await new_table(endpoint)
         impl = DynamoStore(table=table, region=REGION, endpoint_url=endpoint)
     await impl.start()
     try:

@@ -14,7 +14,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import boto3
 import pytest
 
 from server.metrics import REGISTRY
@@ -25,22 +24,9 @@ from tests.services import DynamoFaultProxy
 REGION = "us-east-1"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def endpoint(dynamodb_endpoint: str) -> str:
     return dynamodb_endpoint
-
-
-@pytest.fixture(scope="module")
-def raw(endpoint: str) -> Any:
-    """A plain, synchronous boto3 client on the same endpoint."""
-    return boto3.client("dynamodb", endpoint_url=endpoint, region_name=REGION)
-
-
-@pytest.fixture
-async def table(endpoint: str) -> str:
-    name = f"schema-{uuid.uuid4().hex[:12]}"
-    await create_table(endpoint, name, REGION)
-    return name
 
 
 @pytest.fixture
