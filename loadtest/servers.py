@@ -204,14 +204,7 @@ async def start_ours(
         for key, value in FAKE_AWS.items():
             env.setdefault(key, value)
     argv += extra_args or []
-    proc = _spawn(name, argv, env, log_dir())
-    proc.ws_port, proc.http_port = ws_port, http_port
-    try:
-        await _wait_http(proc, http_port, "/readyz", limit)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
+    return await _started(name, argv, env, ws_port, http_port, limit)
 
 
 async def start_baseline(secrets: Secrets, limit: float = 30.0) -> Proc:
@@ -228,7 +221,14 @@ async def start_baseline(secrets: Secrets, limit: float = 30.0) -> Proc:
         "--publish-secret",
         secrets.publish,
     ]
-    proc = _spawn("baseline", argv, child_env(), log_dir())
+    return await _started("baseline", argv, child_env(), ws_port, http_port, limit)
+
+
+async def _started(
+    name: str, argv: list[str], env: dict[str, str], ws_port: int, http_port: int, limit: float
+) -> Proc:
+    """Spawn a server and wait until its ``/readyz`` answers; stop it if it never does."""
+    proc = _spawn(name, argv, env, log_dir())
     proc.ws_port, proc.http_port = ws_port, http_port
     try:
         await _wait_http(proc, http_port, "/readyz", limit)

@@ -22,8 +22,6 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-REDIS_BUS_MODULES = (REPO / "server" / "bus" / "redis.py", REPO / "server" / "bus" / "redis_bus.py")
-HAS_REDIS_BUS = any(path.exists() for path in REDIS_BUS_MODULES)
 
 TINY = ["--no-progress", "--workers", "1", "--timeout", "150"]
 FANOUT = [
@@ -81,7 +79,7 @@ def _run(name: str, root: Path) -> Outcome:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Outcome]]:
     root = tmp_path_factory.mktemp("loadtest")
-    names = [name for name in SCENARIOS if name != "cluster" or HAS_REDIS_BUS]
+    names = list(SCENARIOS)
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = dict(zip(names, pool.map(lambda name: _run(name, root), names), strict=True))
     yield results
@@ -177,7 +175,6 @@ def test_presence(outcomes: dict[str, Outcome]) -> None:
     assert report is not None and (report / "latency.png").exists()
 
 
-@pytest.mark.skipif(not HAS_REDIS_BUS, reason="the server has no Redis bus module yet")
 def test_cluster(outcomes: dict[str, Outcome]) -> None:
     servers = _figures(outcomes, "cluster")
     cluster = servers["cluster"]
