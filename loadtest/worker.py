@@ -225,7 +225,6 @@ class Worker:
         return base * (0.8 + 0.4 * random.random())
 
     async def _attempt(self, slot: Slot) -> bool:
-        loop = asyncio.get_running_loop()
         host, port = slot.endpoint
         client = SimClient(slot.spec, slot.token, host, port, self.tally, self._lost)
         client.started_ns = time.time_ns()
@@ -233,9 +232,13 @@ class Worker:
             self.slot_of.pop(slot.client, None)
         slot.client = client
         self.slot_of[client] = slot
+        return await self._connect(client, host, port)
+
+    async def _connect(self, client: SimClient, host: str, port: int) -> bool:
+        """Connect and complete the handshake in time; a failure is counted and aborted."""
         try:
             async with asyncio.timeout(self.connect_timeout):
-                await loop.create_connection(lambda: client, host, port)
+                await asyncio.get_running_loop().create_connection(lambda: client, host, port)
                 await client.opened
         except (OSError, TimeoutError, HandshakeError):
             self.tally.connect_failures += 1
@@ -317,7 +320,6 @@ class Worker:
         joined: list[tuple[float, SimClient]] = []
         pending: set[asyncio.Task[None]] = set()
         next_join = 0
-        loop = asyncio.get_running_loop()
         deadline = start + duration + hold + self.connect_timeout + 5
 
         async def join(index: int) -> None:
@@ -325,13 +327,7 @@ class Worker:
             spec = ClientSpec(user_id=user, quiet=True)
             host, port = endpoints[index % len(endpoints)]
             client = SimClient(spec, mint_token(secret, user), host, port, self.tally)
-            try:
-                async with asyncio.timeout(self.connect_timeout):
-                    await loop.create_connection(lambda: client, host, port)
-                    await client.opened
-            except (OSError, TimeoutError, HandshakeError):
-                self.tally.connect_failures += 1
-                client.abort()
+            if not await self._connect(client, host, port):
                 return
             self.churn_actions.append((user, "join", client.action_ns))
             joined.append((time.time() + hold, client))
