@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 import time
 from collections.abc import Coroutine, Sequence
@@ -12,6 +11,9 @@ from typing import Any
 
 from server import config
 from server.store.base import StoreUnavailable
+
+TABLE_SETTINGS = ("dynamodb_endpoint", "table", "region")
+TOKEN_SETTINGS = ("dev_jwt_secret",)
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
@@ -23,24 +25,22 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
         uvloop.run(coro)
 
 
+def _fail(message: str) -> int:
+    print(f"ap-realtime: {message}", file=sys.stderr)
+    return 2
+
+
 def _serve(args: argparse.Namespace) -> int:
     settings = config.load(args)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # One line per socket open and close costs real CPU in a connect storm.
-    logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.root.level))
+    from server import logs
+
+    logs.configure(settings.log_level, settings.log_format, settings.node_id)
     from server.app import serve_forever
 
     try:
         _run(serve_forever(settings))
-    except StoreUnavailable as exc:
-        print(f"ap-realtime: cannot start: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"ap-realtime: cannot start: {exc}", file=sys.stderr)
-        return 2
+    except (StoreUnavailable, OSError) as exc:
+        return _fail(f"cannot start: {exc}")
     return 0
 
 
@@ -51,8 +51,7 @@ def _create_table(args: argparse.Namespace) -> int:
     try:
         _run(create_table(settings.dynamodb_endpoint, settings.table, settings.region))
     except StoreUnavailable as exc:
-        print(f"ap-realtime: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
     print(f"table {settings.table} is ready, with TTL on 'ttl'")
     return 0
 
@@ -62,30 +61,42 @@ def _dev_token(args: argparse.Namespace) -> int:
 
     settings = config.load(args)
     if not settings.dev_jwt_secret:
-        print("ap-realtime: dev-token needs --dev-jwt-secret", file=sys.stderr)
-        return 2
+        return _fail("dev-token needs --dev-jwt-secret (or AP_DEV_JWT_SECRET)")
+    if args.hours <= 0:
+        return _fail("--hours must be positive")
     now = int(time.time())
     claims = {"sub": args.user, "iat": now, "exp": now + args.hours * 3600}
     print(jwt.encode(claims, settings.dev_jwt_secret, algorithm="HS256"))
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ap-realtime", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the WebSocket server")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve", help="run the WebSocket server (blocks until SIGINT or SIGTERM)"
+    )
     config.add_arguments(serve)
     serve.set_defaults(run=_serve)
     table = commands.add_parser("create-table", help="create the DynamoDB table, TTL on")
-    config.add_arguments(table)
+    config.add_arguments(table, TABLE_SETTINGS)
     table.set_defaults(run=_create_table)
     token = commands.add_parser("dev-token", help="mint an HS256 development token")
-    config.add_arguments(token)
+    config.add_arguments(token, TOKEN_SETTINGS)
     token.add_argument("--user", required=True, help="user id, the token's sub")
-    token.add_argument("--hours", type=int, default=24)
+    token.add_argument(
+        "--hours", type=int, default=24, help="hours until the token expires (default 24)"
+    )
     token.set_defaults(run=_dev_token)
-    args = parser.parse_args(argv)
-    code: int = args.run(args)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except config.ConfigError as exc:
+        return _fail(str(exc))
     return code
 
 

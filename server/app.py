@@ -8,7 +8,8 @@ import gc
 import logging
 import resource
 import signal
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from aiohttp import web
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -24,6 +25,7 @@ from protocol.errors import (
 )
 from protocol.messages import Subscribe, SyncPresence, WatchGames
 from protocol.parse import parse_client_frame
+from server import logs
 from server.auth import Authenticator, CognitoVerifier, DevVerifier
 from server.bus.base import Bus
 from server.bus.memory import MemoryBus
@@ -37,6 +39,8 @@ from server.store.base import Store
 from server.store.memory import MemoryStore
 
 log = logging.getLogger("ap_realtime")
+
+T = TypeVar("T")
 
 bad_frames = REGISTRY.counter("ap_client_errors_total", "Client frames answered with an error")
 
@@ -101,6 +105,7 @@ class Handler:
 
     async def __call__(self, ws: ServerConnection) -> None:
         session = Session(ws)
+        logs.connection_id.set(session.connection_id)  # this task serves only this socket
         self.node.opened(session)
         try:
             async for data in ws:
@@ -173,14 +178,18 @@ def tune_process() -> None:
 
 
 async def serve_forever(settings: Settings) -> None:
+    """Run until SIGINT or SIGTERM, then drain. Signals are honoured during start-up too."""
     tune_process()
-    stop = asyncio.Event()
+    signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, signals.put_nowait, signum)
     node = await build_node(settings)
-    await node.start()
-    ws_server, runner = await start_listeners(node)
+    started = await _until_signal(signals, _start(node))
+    if started is None:
+        log.info("stopped during start-up")  # node.start() closed what it had opened
+        return
+    ws_server, runner = started
     gc.freeze()  # what start-up allocated lives as long as the process
     mode = "cluster node (Redis bus)" if settings.clustered else "embedded (in-process bus)"
     log.info(
@@ -194,10 +203,41 @@ async def serve_forever(settings: Settings) -> None:
         settings.store,
         "on" if node.authenticator.enabled else "OFF (no --dev-jwt-secret or Cognito set)",
     )
-    await stop.wait()
-    log.info("shutting down: closing sessions and deleting this node's rows")
+    await signals.get()
+    # Stop accepting at once; /readyz is 503 from here. A second signal cuts the drain short.
     ws_server.close(close_connections=False)
+    log.info("draining over %gs (a second signal stops at once)", settings.drain_seconds)
+    if await _until_signal(signals, node.drain(settings.drain_seconds)) is None:
+        log.info("second signal: closing the remaining sessions at once")
+    log.info("shutting down: deleting this node's rows and leaving presence")
     await node.stop()
     with contextlib.suppress(Exception):
         await ws_server.wait_closed()
     await runner.cleanup()
+
+
+async def _start(node: Node) -> tuple[Server, web.AppRunner]:
+    await node.start()
+    try:
+        return await start_listeners(node)
+    except BaseException:
+        await node.stop()
+        raise
+
+
+async def _until_signal(signals: asyncio.Queue[int], work: Coroutine[Any, Any, T]) -> T | None:
+    """Run ``work`` to its end, or cancel it (and return None) when a signal arrives."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(signals.get())
+    try:
+        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task.done():
+        if waiter.done() and not waiter.cancelled():
+            signals.put_nowait(waiter.result())  # both at once: the signal still counts
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None

@@ -168,19 +168,21 @@ class RedisPresenceBackend:
 
     async def close(self) -> None:
         """Leave the cluster: give up the lease and withdraw this node's users at once."""
+        joined = self._task is not None
         for task in (self._task, self._purge_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        try:
-            async with asyncio.timeout(3):
-                await self._release_script(keys=[self._leader], args=[self._token])
-                await self._deregister_script(
-                    keys=[self._nodes, self._node_key], args=[self._node_id, self._hints]
-                )
-        except (RedisError, OSError) as exc:
-            log.warning("could not leave the cluster cleanly (peers will time us out): %s", exc)
+        if joined:  # else start-up failed or was cancelled: there is nothing to leave
+            try:
+                async with asyncio.timeout(3):
+                    await self._release_script(keys=[self._leader], args=[self._token])
+                    await self._deregister_script(
+                        keys=[self._nodes, self._node_key], args=[self._node_id, self._hints]
+                    )
+            except (RedisError, OSError) as exc:
+                log.warning("could not leave the cluster cleanly (peers will time us out): %s", exc)
         self._leading = False
         with contextlib.suppress(Exception):
             await self._client.aclose()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,9 @@ class Settings:
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
     log_level: str = "INFO"
+    log_format: str = "text"
+    drain_seconds: float = 10.0
+    drain_move_grace_ms: int = 3000
 
     @property
     def presence_debounce(self) -> float:
@@ -78,25 +81,61 @@ _HELP: dict[str, str] = {
     "redis_url": "Redis URL; makes this process one node of a cluster",
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_level": "least severe log level written",
+    "log_format": "text for people, json for a log collector (one object per line)",
+    "drain_seconds": "on SIGTERM, spread closing the clients (1012) over this many seconds",
+    "drain_move_grace_ms": "a drained user counts as online this long, to reconnect elsewhere",
 }
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "store": ("memory", "dynamodb"),
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "log_format": ("text", "json"),
+}
+
+MIN_DEV_SECRET_CHARS = 32
+
+SERVE = tuple(spec.name for spec in fields(Settings))
+"""The settings ``serve`` takes: all of them."""
+
+
+class ConfigError(Exception):
+    """A setting is missing, malformed or contradicts another; the message says which."""
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per setting; defaults stay None so the environment can fill them."""
-    for spec in fields(Settings):
-        kind = _field_type(spec.name)
+def add_arguments(parser: argparse.ArgumentParser, names: Sequence[str] = SERVE) -> None:
+    """Add one flag per named setting; defaults stay None so the environment can fill them.
+
+    The help shows the real default and the variable, since argparse sees only None.
+    """
+    defaults = Settings()
+    for name in names:
+        default = getattr(defaults, name)
+        shown = "host name" if name == "node_id" else ("none" if default is None else default)
         parser.add_argument(
-            _flag(spec.name),
-            dest=spec.name,
-            type=kind,
+            _flag(name),
+            dest=name,
+            type=_parser_type(name),
             default=None,
-            help=f"{_HELP[spec.name]} (env AP_{spec.name.upper()})",
+            choices=_CHOICES.get(name),
+            metavar=name.upper() if name in _CHOICES else None,
+            help=_help_text(name, shown),
         )
+
+
+def _help_text(name: str, shown: object) -> str:
+    choices = _CHOICES.get(name)
+    within = f"; one of {', '.join(choices)}" if choices else ""
+    # argparse formats help with %: a literal % must be doubled.
+    return f"{_HELP[name]}{within} (default {shown}; env AP_{name.upper()})".replace("%", "%%")
+
+
+def _parser_type(name: str) -> Callable[[str], Any]:
+    return str.upper if name == "log_level" else _field_type(name)
 
 
 def _field_type(name: str) -> type[Any]:
@@ -120,9 +159,14 @@ def load(args: argparse.Namespace | None, environ: Mapping[str, str] | None = No
         raw = environ.get(f"AP_{spec.name.upper()}")
         if raw is not None and raw != "":
             try:
-                values[spec.name] = _field_type(spec.name)(raw)
+                values[spec.name] = _parser_type(spec.name)(raw)
             except ValueError:
-                raise SystemExit(f"AP_{spec.name.upper()}={raw!r} is not a valid value") from None
+                raise ConfigError(f"AP_{spec.name.upper()}={raw!r} is not a valid value") from None
+            choices = _CHOICES.get(spec.name)
+            if choices is not None and values[spec.name] not in choices:
+                raise ConfigError(
+                    f"AP_{spec.name.upper()}={raw!r} must be one of {', '.join(choices)}"
+                )
     if not values.get("node_id"):
         values["node_id"] = socket.gethostname()
     if values.get("dynamodb_endpoint") and "store" not in values:
@@ -134,15 +178,22 @@ def load(args: argparse.Namespace | None, environ: Mapping[str, str] | None = No
 
 def _validate(settings: Settings) -> None:
     if settings.store not in ("memory", "dynamodb"):
-        raise SystemExit(f"--store must be memory or dynamodb, not {settings.store!r}")
+        raise ConfigError(f"--store must be memory or dynamodb, not {settings.store!r}")
     if settings.clustered and settings.store == "memory":
-        raise SystemExit(
+        raise ConfigError(
             "--redis-url needs a shared store: add --dynamodb-endpoint or --store dynamodb"
         )
     if (settings.cognito_issuer is None) != (settings.cognito_client_id is None):
-        raise SystemExit("--cognito-issuer and --cognito-client-id go together")
+        raise ConfigError("--cognito-issuer and --cognito-client-id go together")
     if settings.presence_debounce_ms < 0:
-        raise SystemExit("--presence-debounce-ms must not be negative")
+        raise ConfigError("--presence-debounce-ms must not be negative")
+    if settings.drain_seconds < 0 or settings.drain_move_grace_ms < 0:
+        raise ConfigError("--drain-seconds and --drain-move-grace-ms must not be negative")
+    if settings.dev_jwt_secret is not None and len(settings.dev_jwt_secret) < MIN_DEV_SECRET_CHARS:
+        raise ConfigError(
+            f"--dev-jwt-secret must be at least {MIN_DEV_SECRET_CHARS} characters "
+            f"(try: openssl rand -hex 32)"
+        )
 
 
 def parse(argv: Sequence[str] | None = None) -> Settings:

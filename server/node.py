@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 
 from protocol.codec import Frame
@@ -58,6 +59,10 @@ bus_failures = REGISTRY.counter(
 )
 
 
+DRAIN_BATCH_SECONDS = 0.1
+"""One batch of drain closes per this interval: 100 batches over the default 10 s."""
+
+
 class Node:
     def __init__(
         self,
@@ -94,6 +99,9 @@ class Node:
         self._deltas: asyncio.Queue[PresenceDelta | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self.ready = False
+        self.draining = False
+        self._moving = 0  # drained sessions whose user is still reported here
+        self._moves_done = asyncio.Event()
         REGISTRY.gauge("ap_connections", "Open WebSocket sessions", lambda: len(self.sessions))
         REGISTRY.gauge("ap_users", "Distinct users on this node", self._user_count)
         REGISTRY.gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
@@ -105,6 +113,14 @@ class Node:
     # --- lifecycle ----------------------------------------------------------
 
     async def start(self) -> None:
+        """Start every part; if any fails or start-up is cancelled, close what started."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         await self.store.start()
         stale = await self.store.delete_endpoint_connections(self.node_id)
         if stale:
@@ -123,8 +139,52 @@ class Node:
         ]
         self.ready = True
 
+    async def drain(self, seconds: float) -> int:
+        """Close every session with 1012, spread over ``seconds`` in jittered batches.
+
+        Returns how many sessions it closed.
+
+        Closing all at once sends every client to the other nodes in the same
+        second. Each closed user stays reported by this node until its own
+        connection is gone, so one who reconnects elsewhere is never offline in
+        the cluster's view; the presence writer's debounce absorbs the move.
+        The caller has stopped the listener; ``/readyz`` answers 503 from here on.
+        """
+        self.ready = False
+        self.draining = True
+        sessions = list(self.sessions)
+        random.shuffle(sessions)
+        batches = max(1, min(len(sessions), round(seconds / DRAIN_BATCH_SECONDS)))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # Batch i closes at a random moment of the i-th slice of the window.
+        moments = [started + seconds * (i + random.random()) / batches for i in range(batches)]
+        log.info("draining %d sessions over %gs in %d batches", len(sessions), seconds, batches)
+        for i, moment in enumerate(moments):
+            await asyncio.sleep(max(0.0, moment - loop.time()))
+            for session in sessions[i::batches]:
+                session.close(CloseCode.SERVICE_RESTART, "server restarting")
+        for session in list(self.sessions):  # any that slipped in while the listener closed
+            session.close(CloseCode.SERVICE_RESTART, "server restarting")
+        closing = [s.close_task for s in sessions if s.close_task is not None]
+        if closing:
+            await asyncio.wait(closing, timeout=self.settings.close_timeout)
+        # Report the last leaves, then give the writer one more window: a user
+        # who did not come back leaves now, one who moved does not flap.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.drain_move_grace_ms / 1000 + 5):
+                if self._moving:
+                    await self._moves_done.wait()
+                await self._reports.drained()
+        await asyncio.sleep(2 * self.settings.presence_debounce)
+        log.info("drained in %.1fs", loop.time() - started)
+        return len(sessions)
+
     async def stop(self) -> None:
-        """Close every session, then delete this node's rows."""
+        """Close every session, then delete this node's rows.
+
+        Safe on a node whose start failed half-way: each part closes only what it opened.
+        """
         self.ready = False
         sessions = list(self.sessions)
         for session in sessions:
@@ -159,9 +219,23 @@ class Node:
         user_id = session.user_id
         assert user_id is not None
         self._unindex(session)
+        self.registry.delete(session.connection_id)
+        if self.draining:
+            # Sent away by the drain: the user counts as online here a while
+            # longer, for their reconnect to another node to be reported first.
+            self._moving += 1
+            grace = self.settings.drain_move_grace_ms / 1000
+            asyncio.get_running_loop().call_later(grace, self._moved, user_id, session.invisible)
+            return
         self.local_presence.remove(user_id, session.invisible)
         self._queue_reports()
-        self.registry.delete(session.connection_id)
+
+    def _moved(self, user_id: str, invisible: bool) -> None:
+        self._moving -= 1
+        self.local_presence.remove(user_id, invisible)
+        self._queue_reports()
+        if not self._moving:
+            self._moves_done.set()
 
     async def subscribe(self, session: Session, action: Subscribe) -> None:
         try:

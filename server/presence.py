@@ -257,6 +257,7 @@ class PresenceWriter:
         self._full = False  # next flush looks at every user
         self._window_opened: float | None = None  # epoch seconds
         self._reserved = 0  # highest seq known to be taken from wsMeta
+        self._hinted: dict[str, float] = {}  # user -> when the latest hint about them came
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -290,7 +291,9 @@ class PresenceWriter:
             # Clocks of other nodes may be off: trust ``changed_at`` only within a window.
             opened = now if changed_at is None else changed_at
             self._window_opened = min(now, max(opened, now - self._debounce))
-        self._dirty.update(user_ids)
+        for user_id in user_ids:
+            self._dirty.add(user_id)
+            self._hinted[user_id] = now
         self._wakeup.set()
 
     def reconcile(self) -> None:
@@ -357,6 +360,7 @@ class PresenceWriter:
         committed = self._committed
         if committed is None:
             self._dirty.clear()
+            self._hinted.clear()
             return
         full, self._full = self._full, False
         users: Collection[str] | None
@@ -368,6 +372,7 @@ class PresenceWriter:
             live = await self._backend.online(users)
             targets: Iterable[str] = set(live) | set(committed.users) if users is None else users
             changes = diff(committed.users, live, targets)
+            self._hold_recent_leaves(changes, targets)
             if not changes:
                 return
             seq = committed.seq + 1
@@ -391,3 +396,27 @@ class PresenceWriter:
         apply_changes(committed.users, changes)
         committed.seq = delta.seq
         deltas_committed.inc()
+
+    def _hold_recent_leaves(self, changes: Changes, looked_at: Iterable[str]) -> None:
+        """Take out of ``changes`` the users gone offline less than a window ago.
+
+        A window can close between a tab's disconnect and its reconnect (a
+        page reload, a node draining its clients towards another node). A user
+        is offline only after a whole window without coming back; until then
+        they stay dirty, and the next window looks at them again.
+        """
+        now = time.time()
+        held = 0.0
+        for user_id, new in list(changes.items()):
+            hinted = self._hinted.get(user_id)
+            if new is None and hinted is not None and now - hinted < self._debounce:
+                del changes[user_id]
+                self._dirty.add(user_id)
+                held = max(held, hinted)
+        for user_id in looked_at:
+            if user_id not in self._dirty:
+                self._hinted.pop(user_id, None)
+        if held:
+            opened = self._window_opened
+            self._window_opened = held if opened is None else min(opened, held)
+            self._wakeup.set()

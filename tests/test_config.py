@@ -50,7 +50,10 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
     ("argv", "environ", "message"),
     [
         ([], {"AP_PORT": "eighty"}, "AP_PORT"),
-        (["--store", "sqlite"], {}, "memory or dynamodb"),
+        ([], {"AP_STORE": "sqlite"}, "memory, dynamodb"),
+        ([], {"AP_LOG_FORMAT": "xml"}, "text, json"),
+        (["--dev-jwt-secret", "short"], {}, "at least 32 characters"),
+        (["--drain-seconds", "-1"], {}, "negative"),
         (["--redis-url", "redis://127.0.0.1:1"], {}, "shared store"),
         (["--cognito-issuer", "https://x"], {}, "go together"),
         (["--presence-debounce-ms", "-1"], {}, "negative"),
@@ -59,5 +62,16 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
 def test_bad_settings_are_refused_clearly(
     argv: list[str], environ: dict[str, str], message: str
 ) -> None:
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(config.ConfigError, match=message):
         parse(argv, environ)
+
+
+def test_a_bad_choice_on_the_command_line_is_an_argparse_error() -> None:
+    with pytest.raises(SystemExit) as refused:
+        parse(["--store", "sqlite"], {})
+    assert refused.value.code == 2
+
+
+def test_log_level_is_case_insensitive_from_flags_and_environment() -> None:
+    assert parse(["--log-level", "debug"], {}).log_level == "DEBUG"
+    assert parse([], {"AP_LOG_LEVEL": "warning"}).log_level == "WARNING"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Generator
@@ -31,13 +32,28 @@ FAILED = pytest.StashKey[bool]()
 @pytest.fixture
 async def cluster(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> AsyncIterator[Cluster]:
     """Three started nodes on one Redis of the test's own (it may restart it)."""
+    async with running_cluster(request, dynamodb_endpoint, NODES) as running:
+        yield running
+
+
+@pytest.fixture
+async def pair(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> AsyncIterator[Cluster]:
+    """A Redis and a table with no node started: the test starts its own (two, say)."""
+    async with running_cluster(request, dynamodb_endpoint, ()) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(
+    request: pytest.FixtureRequest, dynamodb_endpoint: str, names: tuple[str, ...]
+) -> AsyncIterator[Cluster]:
     redis = start_redis_server()
     table = f"cluster-{uuid.uuid4().hex[:12]}"
     await create_table(dynamodb_endpoint, table, REGION)
     workdir = new_workdir()
     running = Cluster(redis, dynamodb_endpoint, table, workdir)
     try:
-        await running.start(*NODES)
+        await running.start(*names)
         yield running
     finally:
         await running.close()
