@@ -45,7 +45,7 @@ from server.bus.redis_bus import (
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.config import Settings
 from server.metrics import REGISTRY
-from server.presence import Changes, CommittedPresence, UserStates, apply_changes
+from server.presence import Changes, CommittedPresence, Member, UserStates, apply_changes
 from server.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,10 @@ def lease_ms_for(heartbeat_ms: int) -> int:
 
 def _state(value: bool | None) -> str:
     return "" if value is None else ("1" if value else "0")
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 def _decode_states(flat: list[bytes]) -> UserStates:
@@ -267,6 +271,23 @@ class RedisPresenceBackend:
         if self._leading:
             self._lead_until = time.monotonic() + self._lease_ms / 1000
         return self._leading
+
+    async def members(self) -> list[Member]:
+        now_s, now_us = await self._client.time()
+        now_ms = int(now_s) * 1000 + int(now_us) // 1000
+        beats: list[tuple[bytes, float]] = await self._client.zrange(  # type: ignore[assignment]
+            self._nodes, 0, -1, withscores=True
+        )
+        leader = await self._client.get(self._leader)
+        writer = _text(leader).split("/", 1)[0] if leader is not None else None
+        pipe = self._client.pipeline(transaction=False)
+        for raw, _ in beats:
+            pipe.hlen(PRESENCE_NAMESPACE + "node:" + _text(raw))
+        sizes = await pipe.execute()
+        return [
+            Member(_text(raw), max(0, now_ms - int(beat)), int(size), _text(raw) == writer)
+            for (raw, beat), size in zip(beats, sizes, strict=True)
+        ]
 
     # --- membership ---------------------------------------------------------
 

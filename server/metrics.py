@@ -34,6 +34,16 @@ class Gauge:
         self.read = read
 
 
+class CounterFunc(Gauge):
+    """A count kept elsewhere (the kernel's CPU time), read when scraped."""
+
+    __slots__ = ()
+
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""Prometheus' text exposition format, as scrapers expect it named."""
+
+
 class Registry:
     def __init__(self) -> None:
         self._counters: dict[str, Counter] = {}
@@ -51,10 +61,22 @@ class Registry:
         gauge = self._gauges[name] = Gauge(name, help, read)
         return gauge
 
+    def counter_func(self, name: str, help: str, read: Callable[[], float]) -> CounterFunc:
+        """Register (or replace) a counter whose value is read at scrape time."""
+        counter = CounterFunc(name, help, read)
+        self._gauges[name] = counter
+        return counter
+
     def value(self, name: str) -> float:
         if name in self._counters:
             return self._counters[name].value
         return self._gauges[name].read()
+
+    def get(self, name: str) -> float | None:
+        """The metric's value, or None if nothing registered it (an optional feature)."""
+        if name in self._counters or name in self._gauges:
+            return self.value(name)
+        return None
 
     def render(self) -> str:
         lines: list[str] = []
@@ -67,7 +89,7 @@ class Registry:
         for gauge in self._gauges.values():
             lines += [
                 f"# HELP {gauge.name} {gauge.help}",
-                f"# TYPE {gauge.name} gauge",
+                f"# TYPE {gauge.name} {'counter' if isinstance(gauge, CounterFunc) else 'gauge'}",
                 f"{gauge.name} {_number(gauge.read())}",
             ]
         return "\n".join(lines) + "\n"
@@ -99,5 +121,7 @@ def _process_rss_bytes() -> float:
     return float(pages * resource.getpagesize())
 
 
-REGISTRY.gauge("process_cpu_seconds_total", "User and system CPU seconds", _process_cpu_seconds)
+REGISTRY.counter_func(
+    "process_cpu_seconds_total", "User and system CPU seconds", _process_cpu_seconds
+)
 REGISTRY.gauge("process_resident_memory_bytes", "Resident set size", _process_rss_bytes)

@@ -107,6 +107,11 @@ class Node:
         REGISTRY.gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
         REGISTRY.gauge("ap_watched_games", "Games watched on this node", lambda: len(self.by_game))
 
+    @property
+    def report_backlog(self) -> int:
+        """Presence changes of this node's users not yet reported to the cluster."""
+        return self._reports.backlog
+
     def _user_count(self) -> float:
         return float(self.local_presence.user_count)
 
@@ -153,6 +158,8 @@ class Node:
         self.ready = False
         self.draining = True
         sessions = list(self.sessions)
+        if not sessions:
+            return 0
         random.shuffle(sessions)
         batches = max(1, min(len(sessions), round(seconds / DRAIN_BATCH_SECONDS)))
         loop = asyncio.get_running_loop()

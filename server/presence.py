@@ -59,6 +59,16 @@ class CommittedPresence:
     users: UserStates = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Member:
+    """One node as the cluster sees it."""
+
+    node_id: str
+    heartbeat_age_ms: int
+    users: int
+    writer: bool
+
+
 class PresenceBackend(Protocol):
     """Where nodes report their users and the writer commits deltas."""
 
@@ -83,6 +93,9 @@ class PresenceBackend(Protocol):
 
     async def lead(self) -> bool:
         """Acquire or renew the writer role; True while this node holds it."""
+
+    async def members(self) -> list[Member]:
+        """Every node of the cluster as last heard of, for operators."""
 
 
 class MemoryPresenceBackend:
@@ -124,6 +137,9 @@ class MemoryPresenceBackend:
 
     async def lead(self) -> bool:
         return True
+
+    async def members(self) -> list[Member]:
+        return [Member(self._node_id, 0, len(self._live), writer=True)]
 
 
 def apply_changes(users: UserStates, changes: Changes) -> None:

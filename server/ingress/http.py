@@ -1,4 +1,4 @@
-"""The internal HTTP listener: publish, health, readiness and metrics.
+"""The internal HTTP listener: publish, health, readiness, metrics, the operator's page.
 
 It listens apart from the public WebSocket port so that a load balancer
 exposes only the latter; the backend and operators reach this one.
@@ -14,6 +14,8 @@ from aiohttp import web
 
 from protocol.errors import ProtocolError
 from protocol.parse import parse_broadcast
+from server.ingress import status
+from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from server.metrics import REGISTRY
 from server.node import Node
 
@@ -64,11 +66,14 @@ def build_app(node: Node) -> web.Application:
         )
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=REGISTRY.render(), content_type="text/plain")
+        return web.Response(
+            body=REGISTRY.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE}
+        )
 
     app = web.Application(client_max_size=MAX_PUBLISH_BYTES)
     app.router.add_post("/publish", publish)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    status.add_routes(app, node)
     return app

@@ -1,0 +1,134 @@
+"""The operator's page (``GET /``) and the JSON it polls (``GET /status``).
+
+Both live on the internal listener. The page is one self-contained file
+(no CDN, no build step) that fetches ``/status`` every two seconds; the JSON
+reads the same numbers ``/metrics`` shows, plus the cluster's members and a
+few minutes of history for the page's chart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from server.metrics import REGISTRY
+from server.node import Node
+
+log = logging.getLogger(__name__)
+
+SAMPLE_SECONDS = 2.0
+HISTORY_SAMPLES = 300  # ten minutes at one sample every two seconds
+PAGE = resources.files("server.ingress").joinpath("status.html").read_bytes()
+
+RATE_LIMIT_CLOSES = "ap_flood_closes_total"
+"""Registered by the flood guard; absent (shown as none) on a node without one."""
+
+
+class History:
+    """Connections and bus events per second, one sample per ``SAMPLE_SECONDS``."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.samples: deque[tuple[float, int, float]] = deque(maxlen=HISTORY_SAMPLES)
+        self._last: tuple[float, float] | None = None
+
+    def sample(self) -> None:
+        now = time.time()
+        events = REGISTRY.value("ap_bus_messages_total")
+        rate = 0.0
+        if self._last is not None and now > self._last[0]:
+            rate = (events - self._last[1]) / (now - self._last[0])
+        self._last = (now, events)
+        self.samples.append((now, len(self.node.sessions), rate))
+
+    async def run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(SAMPLE_SECONDS)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "interval_s": SAMPLE_SECONDS,
+            "t": [round(t, 3) for t, _, _ in self.samples],
+            "connections": [c for _, c, _ in self.samples],
+            "events_per_s": [round(r, 2) for _, _, r in self.samples],
+        }
+
+
+async def status(node: Node, history: History) -> dict[str, Any]:
+    settings = node.settings
+    members: list[dict[str, Any]] | None
+    try:
+        async with asyncio.timeout(2):
+            members = [asdict(m) for m in await node.presence_backend.members()]
+    except Exception as exc:  # Redis down: the page says so rather than failing
+        log.info("status: cluster members unavailable: %s", exc)
+        members = None
+    return {
+        "node": node.node_id,
+        "mode": "cluster" if settings.clustered else "embedded",
+        "time": time.time(),
+        "ready": node.ready,
+        "draining": node.draining,
+        "connections": len(node.sessions),
+        "users": node.local_presence.user_count,
+        "watched_games": len(node.by_game),
+        "presence": {
+            "seq": node.view.seq,
+            "writer": node.writer.leading,
+            "online_total": node.view.total,
+            "report_backlog": node.report_backlog,
+        },
+        "bus": {
+            "kind": "redis" if settings.clustered else "memory",
+            "connected": node.bus.connected,
+            "reconnects": REGISTRY.get("ap_bus_reconnects_total"),
+        },
+        "store": {
+            "kind": settings.store,
+            "table": settings.table if settings.store == "dynamodb" else None,
+            "write_backlog": REGISTRY.value("ap_store_write_backlog"),
+            "write_retries": REGISTRY.value("ap_store_write_retries_total"),
+        },
+        "closes": {
+            "slow_consumer": REGISTRY.value("ap_slow_consumers_total"),
+            "rate_limited": REGISTRY.get(RATE_LIMIT_CLOSES),
+        },
+        "events": {
+            "published": REGISTRY.value("ap_events_published_total"),
+            "received": REGISTRY.value("ap_bus_messages_total"),
+            "frames_sent": REGISTRY.value("ap_frames_sent_total"),
+        },
+        "nodes": members,
+        "history": history.as_json(),
+    }
+
+
+def add_routes(app: web.Application, node: Node) -> None:
+    history = History(node)
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(body=PAGE, content_type="text/html", charset="utf-8")
+
+    async def status_json(request: web.Request) -> web.Response:
+        return web.json_response(await status(node, history))
+
+    async def sampling(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(history.run(), name="status-history")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(sampling)
+    app.router.add_get("/", page)
+    app.router.add_get("/status", status_json)
