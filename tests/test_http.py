@@ -49,7 +49,7 @@ async def test_unknown_paths_are_404(server: RunningServer) -> None:
 
 
 async def test_metrics_use_the_prometheus_content_type_and_types() -> None:
-    from server.ingress.http import METRICS_CONTENT_TYPE
+    from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
     from server.metrics import REGISTRY
 
     assert METRICS_CONTENT_TYPE.startswith("text/plain; version=0.0.4")
