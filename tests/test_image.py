@@ -1,0 +1,115 @@
+"""The container image: built with podman (scripts/build-image), then run as it is.
+
+There is no container engine that can run it here (``podman run`` cannot set
+rlimits on this host), so the test mounts the built image and runs its own
+entrypoint, user and environment with ``chroot``: what runs is the image's
+content, configured only by ``AP_*`` variables. Slow (a first build makes the
+base image with mmdebstrap); needs root, as CI has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tests.client import DEV_SECRET, Client
+from tests.services import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TAG = "localhost/ap-realtime:test"
+
+
+def podman(*args: str) -> str:
+    return subprocess.run(
+        ["podman", *args], check=True, capture_output=True, text=True, timeout=120
+    ).stdout.strip()
+
+
+def chroot_command(
+    mount: str, config: dict[str, Any], env: dict[str, str], *argv: str
+) -> list[str]:
+    """``argv`` as the image would run it: its user, its environment plus ``env``."""
+    user = config["User"]
+    image_env = dict(item.split("=", 1) for item in config["Env"])
+    merged = [f"{k}={v}" for k, v in {**image_env, **env}.items()]
+    return ["chroot", f"--userspec={user}", mount, "/usr/bin/env", "-i", *merged, *argv]
+
+
+async def http_status(url: str) -> int | None:
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as response,
+        ):
+            return response.status
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+async def test_the_image_runs_ap_realtime_serve_from_ap_variables_as_a_non_root_user() -> None:
+    assert os.geteuid() == 0, "the image test needs root (podman storage, chroot), as CI has"
+    build = await asyncio.to_thread(
+        subprocess.run,
+        [str(ROOT / "scripts" / "build-image"), TAG],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+
+    config = json.loads(podman("image", "inspect", TAG, "--format", "{{json .Config}}"))
+    health = json.loads(podman("image", "inspect", TAG, "--format", "{{json .HealthCheck}}"))
+    assert config["Entrypoint"] == ["ap-realtime", "serve"] and not config.get("Cmd")
+    assert config["User"].split(":")[0] not in ("", "0", "root")
+    assert "AP_HOST=0.0.0.0" in config["Env"]
+    assert health["Test"][0] == "CMD" and "/healthz" in health["Test"][-1]
+
+    port, http_port = free_port(), free_port()
+    env = {
+        "AP_PORT": str(port),
+        "AP_HTTP_PORT": str(http_port),
+        "AP_DEV_JWT_SECRET": DEV_SECRET,
+        "AP_NODE_ID": "image-test",
+        "AP_DRAIN_SECONDS": "1",
+    }
+    mount = podman("image", "mount", TAG)
+    try:
+        server = await asyncio.create_subprocess_exec(
+            *chroot_command(mount, config, env, *config["Entrypoint"]),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            for _ in range(300):
+                if await http_status(f"http://127.0.0.1:{http_port}/healthz") == 200:
+                    break
+                assert server.returncode is None, "the image's server exited"
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("no /healthz from the image's server in 30 s")
+
+            # The image's own HEALTHCHECK command, run inside it.
+            check = await asyncio.create_subprocess_exec(
+                *chroot_command(mount, config, env, *health["Test"][1:])
+            )
+            assert await asyncio.wait_for(check.wait(), 30) == 0
+
+            client = await Client.open(f"ws://127.0.0.1:{port}/")
+            await client.subscribe("alice")
+            assert client.presence.seq is not None
+            await client.close()
+        finally:
+            if server.returncode is None:
+                server.terminate()
+            output, _ = await asyncio.wait_for(server.communicate(), 30)
+        log = output.decode()
+        assert server.returncode == 0, log
+        assert f"ws://0.0.0.0:{port}" in log and "node image-test" in log, log
+    finally:
+        podman("image", "unmount", TAG)
