@@ -25,7 +25,15 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
         uvloop.run(coro)
 
 
+NO_CREDENTIALS_HINT = (
+    " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; any values do for a local"
+    " DynamoDB or moto)"
+)
+
+
 def _fail(message: str) -> int:
+    if "NoCredentialsError" in message:
+        message += NO_CREDENTIALS_HINT
     print(f"ap-realtime: {message}", file=sys.stderr)
     return 2
 
