@@ -38,14 +38,20 @@ DEBOUNCE_MS = 300
 HEARTBEAT_MS = 500
 TIMEOUT_MS = 3000
 LEASE_MS = lease_ms_for(HEARTBEAT_MS)
+DRAIN_SECONDS = 0.5
+DRAIN_MOVE_GRACE_MS = 300
 TIMINGS = {
     "presence_debounce_ms": DEBOUNCE_MS,
     "node_heartbeat_ms": HEARTBEAT_MS,
     "node_timeout_ms": TIMEOUT_MS,
+    "drain_seconds": DRAIN_SECONDS,
+    "drain_move_grace_ms": DRAIN_MOVE_GRACE_MS,
 }
 
 DEATH_BOUND = (TIMEOUT_MS + HEARTBEAT_MS + DEBOUNCE_MS) / 1000
 """The promised time from a node's death to its users' leaves (docs/cluster.md)."""
+CLEAN_STOP_BOUND = DRAIN_SECONDS + (DRAIN_MOVE_GRACE_MS + 2 * DEBOUNCE_MS) / 1000
+"""From SIGTERM to the leaves of a stopped node's users who did not come back."""
 SLACK = 3.0
 """Allowance for a loaded test machine, on top of every promised time."""
 

@@ -28,6 +28,7 @@ OBSERVERS = 5
 GAMES = 10
 DRAIN_SECONDS = 4.0
 EVENT_INTERVAL = 0.05
+MOVE_GRACE_MS = 3000  # the default: a loaded test process reconnects 1,000 clients slowly
 
 
 def game_of(i: int) -> tuple[str, str]:
@@ -94,7 +95,7 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
     pair: Cluster,
 ) -> None:
     cluster = pair
-    cluster.spawn(ROLLED, drain_seconds=DRAIN_SECONDS)
+    cluster.spawn(ROLLED, drain_seconds=DRAIN_SECONDS, drain_move_grace_ms=MOVE_GRACE_MS)
     cluster.spawn(STAYING)
     await cluster.wait_ready(ROLLED)
     await cluster.wait_ready(STAYING)

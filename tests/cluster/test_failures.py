@@ -17,6 +17,7 @@ from typing import Any
 
 from tests.client import Client
 from tests.cluster.harness import (
+    CLEAN_STOP_BOUND,
     DEATH_BOUND,
     DEBOUNCE_MS,
     LEASE_MS,
@@ -200,6 +201,9 @@ async def test_a_clean_stop_withdraws_users_at_once(cluster: Cluster) -> None:
     await cluster.terminate("n3")
     await wait_visible(observer, {"observer"}, 5 + SLACK, "alice's leave")
     elapsed = time.monotonic() - stopped_at
+    # A clean stop drains (users who do not come back leave after the move grace),
+    # but does not wait for the heartbeat timeout.
+    assert CLEAN_STOP_BOUND < DEATH_BOUND
     assert elapsed < DEATH_BOUND, "a clean stop does not wait for the heartbeat timeout"
     assert_gap_free(observer)
     assert "n3" not in {r.endpoint for r in await cluster.rows()}
