@@ -220,3 +220,49 @@ async def _until(predicate: Callable[[], bool]) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("condition not met in 10 s")
+
+
+async def test_a_leave_waits_a_whole_window_so_a_quick_return_is_no_flap() -> None:
+    """A window that closes between a disconnect and the reconnect (a reload, a
+    drained node's client moving) must not commit the leave."""
+    store = MemoryStore()
+    bus = MemoryBus()
+    deltas: list[PresenceDelta] = []
+
+    def on_delta(_topic: str, data: bytes) -> None:
+        delta = decode_envelope(data)
+        assert isinstance(delta, PresenceDelta)
+        deltas.append(delta)
+
+    await bus.start(on_delta)
+    await bus.subscribe([PRESENCE])
+    backend = MemoryPresenceBackend(bus, store, "n1")
+    await backend.start()
+    writer = PresenceWriter(backend, store, debounce=0.5)
+    writer.start()
+    try:
+        await asyncio.wait_for(_until(lambda: writer.leading), 5)
+        await asyncio.sleep(0.7)
+        await backend.report({"alice": True}, time.time())
+        writer.hint(["alice"])
+        await asyncio.wait_for(_until(lambda: len(deltas) == 1), 5)
+
+        # Offline, in a window that opened 0.45 s earlier and so closes at once.
+        await backend.report({"alice": None}, time.time())
+        writer.hint(["alice"], changed_at=time.time() - 0.45)
+        await asyncio.sleep(0.2)
+        assert len(deltas) == 1, "the leave was committed before a whole window passed"
+        await backend.report({"alice": True}, time.time())  # back, on any node
+        writer.hint(["alice"])
+        await asyncio.sleep(1.0)
+        assert len(deltas) == 1, [d.leaves for d in deltas]
+
+        # Gone for good: the leave comes one window after the news, not earlier.
+        await backend.report({"alice": None}, time.time())
+        started = time.monotonic()
+        writer.hint(["alice"], changed_at=time.time() - 0.45)
+        await asyncio.wait_for(_until(lambda: len(deltas) == 2), 5)
+        assert 0.4 < time.monotonic() - started < 1.5
+        assert deltas[1].leaves == ("alice",)
+    finally:
+        await writer.close()
