@@ -105,7 +105,9 @@ def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> 
         transport = ws.transport
         if transport.get_write_buffer_size() > outbox_limit:
             slow_consumers.inc()
-            log.info("closing slow consumer %s", session)
+            log.info(
+                "closing slow consumer %s", session, extra={"connection_id": session.connection_id}
+            )
             session.close(CloseCode.SLOW_CONSUMER, "slow consumer")
             continue
         transport.write(frame.binary_wire if session.binary else frame.text_wire)
