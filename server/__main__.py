@@ -26,8 +26,7 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 
 
 NO_CREDENTIALS_HINT = (
-    " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; any values do for a local"
-    " DynamoDB or moto)"
+    " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; any values do for a local DynamoDB or moto)"
 )
 
 
