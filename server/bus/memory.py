@@ -33,6 +33,10 @@ class MemoryBus:
         self._handler = None
 
     async def publish(self, topic: str, data: bytes) -> None:
+        self.publish_now(topic, data)
+
+    def publish_now(self, topic: str, data: bytes) -> None:
+        """``publish`` without a suspension point, for callers that must not yield."""
         loop = asyncio.get_running_loop()
         for bus in self._hub.subscribers.get(topic, ()):
             # Deliver on a later loop turn, in order, as a network bus would.

@@ -190,10 +190,13 @@ class RedisBus:
                 self._by_channel[channel_for(topic).encode()] = topic
                 added.append(topic)
         pubsub = self._pubsub
-        if not added or pubsub is None:
+        if pubsub is None:
             return  # a reconnect subscribes every current topic
         try:
-            await pubsub.subscribe(*[channel_for(topic) for topic in added])
+            if added:
+                await pubsub.subscribe(*[channel_for(topic) for topic in added])
+            # Even with nothing new, wait: a SUBSCRIBE sent by another caller
+            # for these topics is confirmed once this barrier is.
             await self._barrier(pubsub)
         except (RedisError, OSError) as exc:
             log.debug("subscribe deferred to the next reconnect: %s", exc)
