@@ -73,7 +73,7 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
         from server.bus.redis_streams import RedisStreams
         from server.cluster import RedisPresenceBackend
 
-        redis_bus = RedisBus(settings.redis_url)
+        redis_bus = RedisBus(settings.redis_url, name=settings.node_id)
         cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store)
         streams = RedisStreams(settings.redis_url, settings.stream_limits)
         node = Node(settings, store, redis_bus, cluster, build_authenticator(settings), streams)

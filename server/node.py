@@ -100,6 +100,9 @@ stream_gaps = REGISTRY.counter(
 stream_losses = REGISTRY.counter(
     "ap_stream_losses_total", "Times this node told its clients recovered:false for a stream"
 )
+stream_repaired = REGISTRY.counter(
+    "ap_stream_repaired_events_total", "Events this node missed live and delivered from history"
+)
 recoveries = REGISTRY.counter("ap_stream_recoveries_total", "Client recoveries answered")
 recoveries_failed = REGISTRY.counter(
     "ap_stream_recoveries_failed_total", "Client recoveries answered with recovered:false"
@@ -575,6 +578,7 @@ class Node:
                     except EnvelopeError:
                         break
                     if isinstance(envelope, Broadcast):
+                        stream_repaired.inc()
                         cursor.advance(history.epoch, offset)
                         self._deliver(stream, history.epoch, offset, envelope)
                 if cursor.offset < history.top:

@@ -49,6 +49,8 @@ class StreamLimits:
 
 
 DEFAULT_LIMITS = StreamLimits()
+SWEEP_EVERY = 4096
+"""Appends between two sweeps of idle memory streams."""
 
 
 class Streams(Protocol):
@@ -89,7 +91,8 @@ class MemoryStreams:
         self._bus = bus
         self._limits = limits
         self._clock = clock
-        self._streams: dict[str, _MemoryStream] = {}
+        self._streams: dict[str, _MemoryStream] = bus.hub.streams
+        self._appends = 0
 
     async def start(self) -> None:
         return None
@@ -112,6 +115,9 @@ class MemoryStreams:
 
     def _append(self, stream: str, data: bytes, topics: Sequence[str]) -> Position:
         now = self._clock()
+        self._appends += 1
+        if self._appends % SWEEP_EVERY == 0:
+            self._sweep(now)
         state = self._stream(stream, now)
         state.top += 1
         state.last_event = now
@@ -130,6 +136,16 @@ class MemoryStreams:
         state = self._stream(stream, self._clock())
         entries = tuple((o, d) for o, d in state.history if o > after)
         return HistoryRead(state.epoch, state.top, entries)
+
+    def _sweep(self, now: float) -> None:
+        """Forget idle streams (what Redis does with expiring keys)."""
+        limits = self._limits
+        for name, state in list(self._streams.items()):
+            idle = now - state.last_event
+            if idle > limits.meta_ttl:
+                del self._streams[name]
+            elif idle > limits.history_ttl:
+                state.history.clear()
 
     def stream_count(self) -> int:
         return len(self._streams)
