@@ -13,7 +13,10 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from server.bus.streams import StreamLimits
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class Settings:
     redis_url: str | None = None
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
+    history_size: int = 50
+    history_ttl: int = 900
+    stream_meta_ttl: int = 24 * 3600
     log_level: str = "INFO"
     log_format: str = "text"
     drain_seconds: float = 10.0
@@ -50,6 +56,12 @@ class Settings:
     @property
     def presence_debounce(self) -> float:
         return self.presence_debounce_ms / 1000
+
+    @property
+    def stream_limits(self) -> StreamLimits:
+        from server.bus.streams import StreamLimits
+
+        return StreamLimits(self.history_size, float(self.history_ttl), float(self.stream_meta_ttl))
 
     @property
     def clustered(self) -> bool:
@@ -81,6 +93,9 @@ _HELP: dict[str, str] = {
     "redis_url": "Redis URL; makes this process one node of a cluster",
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
+    "history_size": "events kept per stream for recovery after a reconnect",
+    "history_ttl": "seconds a stream's history is kept after its last event",
+    "stream_meta_ttl": "seconds a stream's epoch and top offset are kept after its last event",
     "log_level": "least severe log level written",
     "log_format": "text for people, json for a log collector (one object per line)",
     "drain_seconds": "on SIGTERM, spread closing the clients (1012) over this many seconds",
@@ -185,6 +200,10 @@ def _validate(settings: Settings) -> None:
         )
     if (settings.cognito_issuer is None) != (settings.cognito_client_id is None):
         raise ConfigError("--cognito-issuer and --cognito-client-id go together")
+    if settings.history_size < 1:
+        raise ConfigError("--history-size must be at least 1")
+    if settings.history_ttl < 1 or settings.stream_meta_ttl < settings.history_ttl:
+        raise ConfigError("--history-ttl must be at least 1 and at most --stream-meta-ttl")
     if settings.presence_debounce_ms < 0:
         raise ConfigError("--presence-debounce-ms must not be negative")
     if settings.drain_seconds < 0 or settings.drain_move_grace_ms < 0:
