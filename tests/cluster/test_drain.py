@@ -3,8 +3,11 @@
 On SIGTERM the node answers ``/readyz`` 503 at once, stops accepting, and
 closes its clients with 1012 in jittered batches over ``--drain-seconds``.
 Each closed client reconnects to the other node (the test plays the load
-balancer). Observers must see no presence change for users who merely moved,
-and no event may be lost.
+balancer), naming the last stream position it saw (``since``). Observers
+must see no presence change for users who merely moved, and no event may be
+lost: each mover gets every event of its game exactly once, across both
+sockets, the ones published while it was between nodes from the stream's
+history.
 """
 
 from __future__ import annotations
@@ -55,19 +58,33 @@ class Published:
     accepted: dict[int, float] = field(default_factory=dict)
 
 
-def event_numbers(client: Client | None) -> set[int]:
+def stream_of(game: tuple[str, str]) -> str:
+    return f"game:{game[0]}#{game[1]}"
+
+
+def event_numbers(client: Client | None) -> list[int]:
+    """The events received, in order, duplicates kept."""
     if client is None:
-        return set()
-    return {m["payload"]["n"] for m in client.of_verb("game")}
+        return []
+    return [m["payload"]["n"] for m in client.of_verb("game")]
 
 
 async def move(cluster: Cluster, mover: Mover) -> None:
-    """Wait for the server to close the client, then reconnect to the other node."""
+    """Wait for the server to close the client, then reconnect to the other node
+    and recover what was published meanwhile, from the last position it saw."""
     code, _ = await mover.first.closed(within=DRAIN_SECONDS + 30)
     mover.close_code, mover.closed_at = code, time.monotonic()
+    stream = stream_of(mover.game)
+    last = mover.first.on_stream(stream)[-1]
     mover.second = await cluster.client(
-        STAYING, mover.user, games=[mover.game], wants_presence=False
+        STAYING,
+        mover.user,
+        games=[mover.game],
+        wants_presence=False,
+        since={stream: {"epoch": last["epoch"], "offset": last["offset"]}},
     )
+    answer = await mover.second.wait_recovered(stream, within=10 + SLACK)
+    assert answer["recovered"] is True, answer
     mover.back_at = time.monotonic()
 
 
@@ -111,7 +128,7 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
     for batch in range(0, MOVERS, 50):
         clients = await asyncio.gather(
             *(
-                cluster.client(ROLLED, f"m{i}", games=[game_of(i)], wants_presence=False)
+                cluster.client(ROLLED, f"m{i}", games=[game_of(i)], wants_presence=False, since={})
                 for i in range(batch, batch + 50)
             )
         )
@@ -126,7 +143,16 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
     assert everyone <= observers[0].presence.visible
     deltas_before = [len(o.messages) for o in observers]
 
+    # One event per game first, so every mover holds a position to recover from.
     published = Published()
+    for n in range(-GAMES, 0):
+        meta, game_id = game_of(n)
+        body = {"verb": "game", "payload": {"meta": meta, "id": game_id, "n": n}}
+        assert await cluster.publish(STAYING, body) == 202
+        published.game[n] = game_of(n)
+        published.started[n] = published.accepted[n] = time.monotonic()
+    for mover in movers:
+        await mover.first.wait_for(lambda m=mover: bool(m.first.of_verb("game")), 10 + SLACK)  # type: ignore[misc]
     stop_publishing = asyncio.Event()
     publisher = asyncio.create_task(publish_events(cluster, published, stop_publishing))
     await asyncio.sleep(1.0)
@@ -177,25 +203,27 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
         assert observer.presence.gaps == 0
         assert everyone <= observer.presence.visible
 
-    # No event lost by those who stayed, every one of their game's.
-    total = len(published.accepted)
+    # No event lost by those who stayed, every one of their game's, in order.
+    total = len(published.accepted) - GAMES
     assert total > (DRAIN_SECONDS / EVENT_INTERVAL) / 4
     for i, client in enumerate([*observers, *stayers]):
-        expected = {n for n, g in published.game.items() if g == game_of(i)}
+        expected = sorted(n for n, g in published.game.items() if g == game_of(i))
         assert event_numbers(client) == expected
-    # Movers got every event but those published while they were between nodes
-    # (with no stream to recover them from, a closed socket cannot receive).
-    missed_while_moving = 0
+    # Nor by those who moved: the old socket's events, then the recovered ones
+    # and the live ones on the new socket, each exactly once, offsets without a hole.
+    recovered_events = 0
     for i, mover in enumerate(movers):
-        got = event_numbers(mover.first) | event_numbers(mover.second)
-        for n, g in published.game.items():
-            if g != game_of(i) or n in got:
-                continue
-            between = (
-                published.accepted[n] > mover.closed_at - 1.0
-                and published.started[n] < mover.back_at
-            )
-            assert between, f"{mover.user} lost event {n} outside its move"
-            missed_while_moving += 1
-        assert not got - {n for n, g in published.game.items() if g == game_of(i)}
-    print(f"drain: {total} events, {missed_while_moving} missed by movers between nodes")
+        expected = sorted(n for n, g in published.game.items() if g == game_of(i))
+        first, second = event_numbers(mover.first), event_numbers(mover.second)
+        assert sorted(first + second) == expected, f"{mover.user}: {first} then {second}"
+        assert mover.second is not None
+        stream = stream_of(mover.game)
+        offsets = mover.first.offsets(stream) + mover.second.offsets(stream)
+        assert offsets == list(range(offsets[0], offsets[0] + len(offsets)))
+        lost_without_since = {
+            n
+            for n in second
+            if published.accepted[n] < mover.back_at and published.started[n] > mover.closed_at
+        }
+        recovered_events += len(lost_without_since)
+    print(f"drain: {total} events, {recovered_events} recovered by movers with since")
