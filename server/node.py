@@ -166,6 +166,7 @@ class Node:
         self.draining = False
         self._moving = 0  # drained sessions whose user is still reported here
         self._moves_done = asyncio.Event()
+        self._sessions_gone = asyncio.Event()  # set when a drain has closed the last one
         REGISTRY.gauge("ap_connections", "Open WebSocket sessions", lambda: len(self.sessions))
         REGISTRY.gauge("ap_users", "Distinct users on this node", self._user_count)
         REGISTRY.gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
@@ -242,12 +243,16 @@ class Node:
         if closing:
             await asyncio.wait(closing, timeout=self.settings.close_timeout)
         # Report the last leaves, then give the writer one more window: a user
-        # who did not come back leaves now, one who moved does not flap.
+        # who did not come back leaves now, one who moved does not flap. The
+        # rows were deleted behind, in batches: let the last batch go out too.
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.settings.drain_move_grace_ms / 1000 + 5):
+            async with asyncio.timeout(self.settings.drain_move_grace_ms / 1000 + 10):
+                if self.sessions:  # handlers still finishing their close
+                    await self._sessions_gone.wait()
                 if self._moving:
                     await self._moves_done.wait()
                 await self._reports.drained()
+                await self.registry.drained()
         await asyncio.sleep(2 * self.settings.presence_debounce)
         log.info("drained in %.1fs", loop.time() - started)
         return len(sessions)
@@ -289,6 +294,8 @@ class Node:
 
     def closed(self, session: Session) -> None:
         self.sessions.discard(session)
+        if self.draining and not self.sessions:
+            self._sessions_gone.set()
         if not session.subscribed:
             return
         user_id = session.user_id
