@@ -78,7 +78,12 @@ def _dev_token(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ap-realtime", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="ap-realtime",
+        description="Abstract Play's real-time server: WebSocket presence and game events.",
+        epilog="Every setting also comes from its AP_* environment variable; "
+        "`ap-realtime COMMAND --help` lists a command's own.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve", help="run the WebSocket server (blocks until SIGINT or SIGTERM)"

@@ -89,7 +89,7 @@ _HELP: dict[str, str] = {
     "dynamodb_endpoint": "DynamoDB endpoint URL; implies --store dynamodb",
     "table": "DynamoDB table name",
     "region": "AWS region of the table",
-    "store": "connection store: memory or dynamodb",
+    "store": "where connection rows and the presence seq are kept",
     "redis_url": "Redis URL; makes this process one node of a cluster",
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
