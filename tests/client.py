@@ -77,6 +77,7 @@ class Client:
         wants_presence: bool = True,
         token: str | None = None,
         since: dict[str, Any] | None = None,
+        within: float = 5.0,
     ) -> None:
         message: dict[str, Any] = {
             "action": "subscribe",
@@ -94,9 +95,9 @@ class Client:
         snapshots = self.presence.snapshots
         await self.send(message)
         if wants_presence:
-            await self.wait_for(lambda: self.presence.snapshots > snapshots)
+            await self.wait_for(lambda: self.presence.snapshots > snapshots, within)
         else:
-            await self.barrier()
+            await self.barrier(within)
 
     async def watch(
         self, games: list[tuple[str, str]], *, since: dict[str, Any] | None = None
@@ -130,11 +131,11 @@ class Client:
         await self.wait_for(lambda: len(self.recovered(stream)) >= count, within)
         return self.recovered(stream)[count - 1]
 
-    async def barrier(self) -> None:
+    async def barrier(self, within: float = 5.0) -> None:
         """Returns once the server has handled everything sent before it."""
         snapshots = self.presence.snapshots
         await self.send({"action": "syncPresence"})
-        await self.wait_for(lambda: self.presence.snapshots > snapshots)
+        await self.wait_for(lambda: self.presence.snapshots > snapshots, within)
 
     async def _read(self) -> None:
         try:

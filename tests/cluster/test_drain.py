@@ -73,7 +73,7 @@ def event_numbers(client: Client | None) -> list[int]:
 async def move(cluster: Cluster, mover: Mover) -> None:
     """Wait for the server to close the client, then reconnect to the other node
     and recover what was published meanwhile, from the last position it saw."""
-    code, _ = await mover.first.closed(within=DRAIN_SECONDS + 30)
+    code, _ = await mover.first.closed(within=DRAIN_SECONDS + 60)
     mover.close_code, mover.closed_at = code, time.monotonic()
     stream = stream_of(mover.game)
     last = mover.first.on_stream(stream)[-1]
@@ -83,8 +83,9 @@ async def move(cluster: Cluster, mover: Mover) -> None:
         games=[mover.game],
         wants_presence=False,
         since={stream: {"epoch": last["epoch"], "offset": last["offset"]}},
+        within=30,  # 600 reconnects into one node of a machine shared with other test runs
     )
-    answer = await mover.second.wait_recovered(stream, within=10 + SLACK)
+    answer = await mover.second.wait_recovered(stream, within=30)
     assert answer["recovered"] is True, answer
     mover.back_at = time.monotonic()
 
@@ -129,7 +130,9 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
     for batch in range(0, MOVERS, 50):
         clients = await asyncio.gather(
             *(
-                cluster.client(ROLLED, f"m{i}", games=[game_of(i)], wants_presence=False, since={})
+                cluster.client(
+                    ROLLED, f"m{i}", games=[game_of(i)], wants_presence=False, since={}, within=30
+                )
                 for i in range(batch, batch + 50)
             )
         )
@@ -140,7 +143,7 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
     everyone = {f"obs{i}" for i in range(OBSERVERS)} | {f"m{i}" for i in range(MOVERS)}
     online = OBSERVERS + MOVERS + len(stayers)
     for observer in observers:
-        await eventually(lambda: len(observer.presence.visible) == online, 30, "all online")  # noqa: B023
+        await eventually(lambda: len(observer.presence.visible) == online, 60, "all online")  # noqa: B023
     assert everyone <= observers[0].presence.visible
     deltas_before = [len(o.messages) for o in observers]
 
@@ -153,7 +156,7 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
         published.game[n] = game_of(n)
         published.started[n] = published.accepted[n] = time.monotonic()
     for mover in movers:
-        await mover.first.wait_for(lambda m=mover: bool(m.first.of_verb("game")), 10 + SLACK)  # type: ignore[misc]
+        await mover.first.wait_for(lambda m=mover: bool(m.first.of_verb("game")), 30)  # type: ignore[misc]
     stop_publishing = asyncio.Event()
     publisher = asyncio.create_task(publish_events(cluster, published, stop_publishing))
     await asyncio.sleep(1.0)
@@ -181,7 +184,7 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
     # Every event reached the staying node's clients before this marker did.
     assert await cluster.publish(STAYING, {"verb": "test", "payload": "end"}) == 202
     for client in [*observers, *stayers, *(m.second for m in movers if m.second)]:
-        await client.next_message(lambda m: m.get("payload") == "end", within=10 + SLACK)
+        await client.next_message(lambda m: m.get("payload") == "end", within=30)
     await asyncio.sleep(3 * DEBOUNCE_MS / 1000)  # any late presence delta would be here now
 
     # 1012 for every client, in batches spread over the window rather than at once.
