@@ -566,26 +566,24 @@ class Node:
         if cursor is None:
             return  # nobody here holds the stream any more
         if history is not None:
-            if history.epoch != cursor.epoch:
+            entries = _decode_entries(history.entries)
+            if history.epoch != cursor.epoch or (entries and entries[0][0] > cursor.offset + 1):
+                # The hole is gone from history (or the stream has a new epoch):
+                # the watchers must refetch, from just before what history still
+                # holds, so that everyone still hears every event it has.
+                base = entries[0][0] - 1 if entries else history.top
+                self._lost(stream, history.epoch, base)
+                cursor.advance(history.epoch, base)
+            elif not entries and cursor.offset < history.top:
                 self._lost(stream, history.epoch, history.top)
                 cursor.advance(history.epoch, history.top)
-            else:
-                for offset, data in history.entries:
-                    if offset != cursor.offset + 1:
-                        break
-                    try:
-                        envelope = decode_envelope(data)
-                    except EnvelopeError:
-                        break
-                    if isinstance(envelope, Broadcast):
-                        stream_repaired.inc()
-                        cursor.advance(history.epoch, offset)
-                        self._deliver(stream, history.epoch, offset, envelope)
-                if cursor.offset < history.top:
-                    # History no longer holds the hole: skip to the top.
-                    self._lost(stream, history.epoch, history.top)
-                    cursor.advance(history.epoch, history.top)
-        for positioned, message in sorted(pending, key=lambda item: item[0].offset):
+            for offset, envelope in entries:
+                if offset == cursor.offset + 1:
+                    stream_repaired.inc()
+                    cursor.advance(history.epoch, offset)
+                    self._deliver(stream, history.epoch, offset, envelope)
+        # Arrival order is stream order (Redis publishes a stream's events in order).
+        for positioned, message in pending:
             self._step(stream, positioned, message, repairing=True)
 
     async def _read(self, stream: str, after: int) -> HistoryRead[bytes]:
@@ -701,14 +699,19 @@ class Node:
                     "or name your own user stream",
                     self._outbox_limit,
                 )
-        if not wanted:
-            return
-        # Hear the streams before reading their history: then history and live
-        # together cover everything (docs/protocol.md, "Recovery").
+        # Hear every stream of the session before answering, and before reading
+        # any history: then history and live together cover everything
+        # (docs/protocol.md, "Recovery"), and a stream speaker's next request is
+        # handled only once its live streams are in place.
+        assert session.user_id is not None
+        streams = {game_stream(key) for key in session.watching}
+        streams.add(user_stream(session.user_id))
         try:
-            await self.bus.subscribe([stream for stream, _ in wanted])
+            await self.bus.subscribe(sorted(streams))
         except Exception as exc:
             log.warning("subscribe before recovery failed: %s", exc)
+        if not wanted:
+            return
         reads = await asyncio.gather(
             *(self._read(stream, position.offset) for stream, position in wanted),
             return_exceptions=True,
