@@ -51,7 +51,7 @@ class Settings:
     log_level: str = "INFO"
     log_format: str = "text"
     drain_seconds: float = 10.0
-    drain_move_grace_ms: int = 3000
+    drain_move_grace_ms: int = 5000
 
     @property
     def presence_debounce(self) -> float:

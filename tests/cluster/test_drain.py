@@ -31,8 +31,10 @@ OBSERVERS = 5
 GAMES = 10
 DRAIN_SECONDS = 4.0
 EVENT_INTERVAL = 0.05
-MOVE_GRACE_MS = 6000  # twice the default: on a shared machine this test's 1,000 clients
-# reconnect slowly (up to 3.6 s measured at a load average of 30 on 2 cores)
+MOVE_GRACE_MS = 15_000
+"""Three times the default: this test's one process drives 1,000 clients, and on a
+machine shared with other test runs their reconnects took up to 10 s (3-5 s at a
+load average of 12 on 2 cores; the median subscribe is printed)."""
 
 
 def game_of(i: int) -> tuple[str, str]:
@@ -47,7 +49,8 @@ class Mover:
     second: Client | None = None
     close_code: int | None = None
     closed_at: float = 0.0
-    back_at: float = 0.0
+    subscribed_at: float = 0.0  # subscribed on the other node: reported online there
+    back_at: float = 0.0  # and its missed events recovered
 
 
 @dataclass
@@ -85,6 +88,7 @@ async def move(cluster: Cluster, mover: Mover) -> None:
         since={stream: {"epoch": last["epoch"], "offset": last["offset"]}},
         within=30,  # 600 reconnects into one node of a machine shared with other test runs
     )
+    mover.subscribed_at = time.monotonic()
     answer = await mover.second.wait_recovered(stream, within=30)
     assert answer["recovered"] is True, answer
     mover.back_at = time.monotonic()
@@ -195,9 +199,11 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
     assert cluster.nodes[ROLLED].process.returncode == 0
     assert exited - signalled < DRAIN_SECONDS + 90
 
-    gaps = sorted(m.back_at - m.closed_at for m in movers)
-    median, worst = gaps[len(gaps) // 2], gaps[-1]
-    print(f"drain: reconnect took {median:.3f}s median, {worst:.3f}s at most")
+    for what, times in [
+        ("subscribed again", sorted(m.subscribed_at - m.closed_at for m in movers)),
+        ("recovered", sorted(m.back_at - m.closed_at for m in movers)),
+    ]:
+        print(f"drain: {what} {times[len(times) // 2]:.3f}s median, {times[-1]:.3f}s at most")
     # Presence did not flap: no observer saw any delta naming a user who moved.
     moved = {m.user for m in movers}
     for observer, before in zip(observers, deltas_before, strict=True):
