@@ -42,6 +42,7 @@ class Settings:
     redis_url: str | None = None
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
+    chat_rate: int = 5
     log_level: str = "INFO"
 
     @property
@@ -78,6 +79,7 @@ _HELP: dict[str, str] = {
     "redis_url": "Redis URL; makes this process one node of a cluster",
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
+    "chat_rate": "most chat comments one user may post per 10 s (cluster-wide when clustered)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
 }
 
@@ -143,6 +145,8 @@ def _validate(settings: Settings) -> None:
         raise SystemExit("--cognito-issuer and --cognito-client-id go together")
     if settings.presence_debounce_ms < 0:
         raise SystemExit("--presence-debounce-ms must not be negative")
+    if settings.chat_rate < 1:
+        raise SystemExit("--chat-rate must be at least 1")
 
 
 def parse(argv: Sequence[str] | None = None) -> Settings:

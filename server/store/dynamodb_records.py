@@ -317,8 +317,11 @@ class GameRecordsMixin:
                 "ExpressionAttributeNames": names,
                 "ExpressionAttributeValues": values,
             }
+            # Marks may be retried, so an older one arriving late must not win.
+            condition = "(attribute_not_exists(#lc) OR #lc < :lc)"
             if must_exist:
-                params["ConditionExpression"] = "attribute_exists(pk)"
+                condition = "attribute_exists(pk) AND " + condition
+            params["ConditionExpression"] = condition
             async with gate:
                 await self._update_ignoring_condition(**params)
 

@@ -147,20 +147,15 @@ class MemoryStore:
             if (r.CURRENTGAMES_PREFIX + player, game_id) not in self._rows:
                 continue
             row = self._rows.setdefault((r.USERGAME_PREFIX + player, game_id), {})
-            row[r.LAST_CHAT] = at_ms
-            if player == author:
-                row[r.SEEN] = at_ms + r.AUTHOR_SEEN_LEAD_MS
+            _mark(row, at_ms, player == author)
 
     async def mark_watchers_last_chat(
         self, game_id: str, watchers: Sequence[str], author: str, at_ms: int
     ) -> None:
         for watcher in watchers:
             row = self._rows.get((r.WATCHED_PREFIX + watcher, game_id))
-            if row is None:
-                continue
-            row[r.LAST_CHAT] = at_ms
-            if watcher == author:
-                row[r.SEEN] = at_ms + r.AUTHOR_SEEN_LEAD_MS
+            if row is not None:
+                _mark(row, at_ms, watcher == author)
 
     async def touch_last_seen(self, user_id: str, now_ms: int) -> bool:
         row = self._rows.get((r.USERS_PK, user_id))
@@ -171,3 +166,13 @@ class MemoryStore:
             return False
         row[r.LAST_SEEN] = now_ms
         return True
+
+
+def _mark(row: Row, at_ms: int, is_author: bool) -> None:
+    """Set ``lastChat`` (and the author's ``seen``) unless a newer mark is there."""
+    last = row.get(r.LAST_CHAT)
+    if isinstance(last, int | float) and last >= at_ms:
+        return
+    row[r.LAST_CHAT] = at_ms
+    if is_author:
+        row[r.SEEN] = at_ms + r.AUTHOR_SEEN_LEAD_MS

@@ -186,6 +186,18 @@ async def test_watcher_marks_update_existing_rows_only(store: Store) -> None:
     assert rows.get("WATCHED#gone", GAME) is None
 
 
+async def test_an_older_mark_never_overwrites_a_newer_one(store: Store) -> None:
+    rows = Rows(store)
+    rows.put("CURRENTGAMES#alice", GAME, {"id": GAME})
+    rows.put("WATCHED#w1", GAME, {"addedAt": 1})
+    await store.mark_players_last_chat(GAME, ["alice"], "alice", 2000)
+    await store.mark_watchers_last_chat(GAME, ["w1"], "w1", 2000)
+    await store.mark_players_last_chat(GAME, ["alice"], "bob", 1000)  # a late retry
+    await store.mark_watchers_last_chat(GAME, ["w1"], "bob", 1000)
+    assert rows.get("USERGAME#alice", GAME) == {"lastChat": 2000, "seen": 2010}
+    assert rows.get("WATCHED#w1", GAME) == {"addedAt": 1, "lastChat": 2000, "seen": 2010}
+
+
 # ----------------------------------------------------------------------- lastSeen
 
 
