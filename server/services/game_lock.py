@@ -69,12 +69,21 @@ class _LocalLocks:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
 
     @contextlib.asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[None]:
+    async def hold(self, key: str, deadline: float) -> AsyncIterator[None]:
+        """Hold ``key``; LockUnavailable if it is not free by ``deadline`` (monotonic)."""
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
         try:
-            async with lock:
+            try:
+                async with asyncio.timeout_at(_loop_time(deadline)):
+                    await lock.acquire()
+            except TimeoutError:
+                lock_timeouts.inc()
+                raise LockUnavailable("the game is busy; try again") from None
+            try:
                 yield
+            finally:
+                lock.release()
         finally:
             lock, users = self._locks[key]
             if users == 1:
@@ -86,6 +95,11 @@ class _LocalLocks:
         return len(self._locks)
 
 
+def _loop_time(deadline: float) -> float:
+    """A ``time.monotonic()`` deadline on the event loop's clock."""
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+
+
 class _AlwaysHeld:
     async def confirm(self) -> bool:
         return True
@@ -94,12 +108,13 @@ class _AlwaysHeld:
 class MemoryGameLocks:
     """The embedded default: one process, so a local lock is the whole story."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, wait: float = WAIT_SECONDS) -> None:
         self._local = _LocalLocks()
+        self._wait = wait
 
     @contextlib.asynccontextmanager
     async def hold(self, key: str) -> AsyncIterator[Held]:
-        async with self._local.hold(key):
+        async with self._local.hold(key, time.monotonic() + self._wait):
             yield _AlwaysHeld()
 
     async def close(self) -> None:
@@ -170,7 +185,7 @@ class RedisGameLocks:
         deadline = time.monotonic() + self._wait
         name = lock_key(key)
         token = uuid.uuid4().hex
-        async with self._local.hold(key):
+        async with self._local.hold(key, deadline):
             await self._acquire(name, token, deadline)
             lease = _Lease(self, name, token)
             renewer = asyncio.create_task(lease.renew_forever(), name=f"chat-lease:{key}")
