@@ -82,6 +82,9 @@ class Coordination:
         )
 
 
+STOP_DRAIN_SECONDS = 2.0
+
+
 class Node:
     def __init__(
         self,
@@ -176,6 +179,10 @@ class Node:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.writer.close()
+        # Marks and lastSeen already queued get a moment to reach the store.
+        for pending in (self.chat_marks, self.last_seen):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pending.drained(), STOP_DRAIN_SECONDS)
         await self.chat_marks.close()
         await self.last_seen.close()
         await self.chat.close()

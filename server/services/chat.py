@@ -44,7 +44,7 @@ comments_duplicate = REGISTRY.counter(
     "ap_chat_duplicates_total", "Chat actions whose clientMsgId was already stored"
 )
 
-Publish = Callable[[Broadcast], Awaitable[None]]
+Publish = Callable[[Broadcast], Awaitable[object]]
 
 
 class ChatRefused(Exception):

@@ -128,9 +128,11 @@ class MemoryStore:
         weight = comment_weight(comment.comment)
         if total + weight >= COMMENTS_CAP_BYTES:
             return AppendOutcome(AppendStatus.FULL)
-        row[r.COMMENTS] = [*comments, comment.to_plain()]
+        comments.append(comment.to_plain())
+        ids[key] = comment.time_stamp
+        row[r.COMMENTS] = comments
         row[r.COMMENT_BYTES] = total + weight
-        row[r.COMMENT_IDS] = {**ids, key: comment.time_stamp}
+        row[r.COMMENT_IDS] = ids
         self._rows[(r.GAMECOMMENTS_PK, game_id)] = row
         return AppendOutcome(AppendStatus.STORED, comment.time_stamp)
 
