@@ -23,6 +23,7 @@ class ErrorCode(StrEnum):
     NOT_ALLOWED = "not_allowed"
     GAME_NOT_FOUND = "game_not_found"
     GAME_COMPLETED = "game_completed"
+    STREAM_NOT_ALLOWED = "stream_not_allowed"
 
 
 class CloseCode(IntEnum):

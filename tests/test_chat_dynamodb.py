@@ -111,18 +111,23 @@ async def test_authorization_on_dynamodb(
     assert get(raw, table, "GAMECOMMENTS", "done") is None
 
 
-async def test_the_cap_on_an_item_written_before_the_counter(
-    dynamo_server: RunningServer, raw: Any, table: str
-) -> None:
+async def test_the_cap_on_dynamodb(dynamo_server: RunningServer, raw: Any, table: str) -> None:
+    # The near-cap item without a counter is in the store contract suite; moto is slow
+    # with thousands of list elements, so this one starts from a counted item.
     seed_game(raw, table, ["alice"])
-    # Many short comments with a short user id: the weight nears the cap while the
-    # item stays far under 400 KB (moto counts an updated list twice).
-    legacy = [typed_comment("x", "u", 1, 1)] * 3240
-    put(raw, table, "GAMECOMMENTS", "g1", comments={"L": legacy})
+    put(
+        raw,
+        table,
+        "GAMECOMMENTS",
+        "g1",
+        comments={"L": [typed_comment("x", "u", 1, 1)]},
+        commentBytes={"N": "359700"},
+        commentIds={"M": {}},
+    )
     before = get(raw, table, "GAMECOMMENTS", "g1")
     alice = await dynamo_server.subscribed("alice")
 
-    full = await post(alice, GAME, "y" * 250, msg_id="big")
+    full = await post(alice, GAME, "y" * 190, msg_id="big")
     assert full["payload"] == {
         "code": "comments_full",
         "message": "this game's comments are full; no more can be added",
@@ -130,14 +135,12 @@ async def test_the_cap_on_an_item_written_before_the_counter(
     }
     assert get(raw, table, "GAMECOMMENTS", "g1") == before
 
-    fits = await post(alice, GAME, "z" * 249)
+    fits = await post(alice, GAME, "z" * 189)
     assert fits["verb"] == "chatAck"
     item = get(raw, table, "GAMECOMMENTS", "g1")
     assert item is not None
-    assert item["commentBytes"] == {
-        "N": str(3240 * comment_weight("x") + comment_weight("z" * 249))
-    }
-    assert len(item["comments"]["L"]) == 3241
+    assert item["commentBytes"] == {"N": "359999"}
+    assert len(item["comments"]["L"]) == 2
 
     assert (await post(alice, GAME, "!"))["payload"]["code"] == "comments_full"
     assert get(raw, table, "GAMECOMMENTS", "g1") == item
