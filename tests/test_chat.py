@@ -53,9 +53,13 @@ async def test_a_player_comment_is_stored_acked_and_fanned_out(server: RunningSe
         "timeStamp": time_stamp,
         "clientMsgId": "m-1",
     }
+    positions = set()
     for client in (author, other_tab, watcher):
         event = await client.next_message(lambda m: m["verb"] == "chat")
         assert event["payload"] == expected_chat
+        positions.add((event["stream"], event["epoch"], event["offset"]))
+    assert len(positions) == 1  # one event, one place on the game's stream
+    assert next(iter(positions))[0] == "game:chess#g1"
     await watcher.next_message(lambda m: m["verb"] == "game")
     await server.publish({"verb": "test", "payload": "barrier"})
     for client in (author, other_tab, watcher, outsider):
@@ -230,7 +234,11 @@ async def test_concurrent_posts_are_stored_once_each_in_event_order(server: Runn
     await watcher.wait_for(lambda: len(watcher.of_verb("chat")) == 40)
     comments = [c["comment"] for c in stored(server)]
     assert sorted(comments) == sorted(f"{p}-{i}" for p in players for i in range(4))
-    assert [m["payload"]["comment"] for m in watcher.of_verb("chat")] == comments
+    events = watcher.of_verb("chat")
+    assert [m["payload"]["comment"] for m in events] == comments
+    by_offset = sorted(events, key=lambda m: m["offset"])
+    assert [m["payload"]["comment"] for m in by_offset] == comments
+    assert all(m["stream"] == "game:chess#g1" for m in events)
 
 
 async def test_dashboard_marks_are_written_behind(server: RunningServer) -> None:

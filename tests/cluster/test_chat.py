@@ -100,9 +100,20 @@ async def test_concurrent_posts_on_two_nodes_are_stored_once_in_event_order(
     stored = stored_comments(raw, chat_cluster.table)
     assert len(stored) == 200
     assert sorted(stored) == sorted(f"{p}-{i}" for p in players for i in range(10))
+    offsets_by_node = []
     for watcher in watchers:
         events = watcher.of_verb("chat")
         assert [m["payload"]["comment"] for m in events] == stored
+        # Every chat event has its place on the game's stream, and sorting the
+        # events by that place gives exactly the stored order.
+        assert {m["stream"] for m in events} == {"game:chess#g1"}
+        assert len({m["epoch"] for m in events}) == 1
+        offsets = [m["offset"] for m in events]
+        by_offset = [m["payload"]["comment"] for m in sorted(events, key=lambda m: m["offset"])]
+        assert by_offset == stored
+        assert offsets == sorted(offsets) and len(set(offsets)) == 200
+        offsets_by_node.append(offsets)
+    assert offsets_by_node[0] == offsets_by_node[1]  # the same positions on both nodes
     # each author's own comments are stored in the order the author sent them
     for player in players:
         mine = [c for c in stored if c.startswith(player + "-")]
