@@ -22,7 +22,7 @@ from server.services.game_lock import (
     lock_key,
 )
 from server.services.rate_limit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
-from tests.services import redis_url_for_tests
+from tests.services import free_port, redis_url_for_tests
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +166,17 @@ async def test_a_claim_goes_to_the_first_asker_until_it_expires(
     assert await second.claim("bob", 0.5)
     await asyncio.sleep(0.7)
     assert await second.claim("alice", 0.5)
+
+
+async def test_without_redis_locks_refuse_and_limits_fall_back_to_this_node() -> None:
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    locks = RedisGameLocks(nowhere, wait=1)
+    with pytest.raises(LockUnavailable):
+        async with locks.hold("chess#g1"):
+            pass
+    limiter = RedisRateLimiter(nowhere, "chat", 2, 10)
+    assert [await limiter.allow("u") for _ in range(3)] == [True, True, False]
+    claims = RedisClaims(nowhere, "last-seen")
+    assert await claims.claim("u", 60) and not await claims.claim("u", 60)
+    for part in (locks, limiter, claims):
+        await part.close()
