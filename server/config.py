@@ -48,6 +48,7 @@ class Settings:
     history_size: int = 50
     history_ttl: int = 900
     stream_meta_ttl: int = 24 * 3600
+    chat_rate: int = 5
     log_level: str = "INFO"
     log_format: str = "text"
     drain_seconds: float = 10.0
@@ -96,6 +97,7 @@ _HELP: dict[str, str] = {
     "history_size": "events kept per stream for recovery after a reconnect",
     "history_ttl": "seconds a stream's history is kept after its last event",
     "stream_meta_ttl": "seconds a stream's epoch and top offset are kept after its last event",
+    "chat_rate": "most chat comments one user may post per 10 s (cluster-wide when clustered)",
     "log_level": "least severe log level written",
     "log_format": "text for people, json for a log collector (one object per line)",
     "drain_seconds": "on SIGTERM, spread closing the clients (1012) over this many seconds",
@@ -213,6 +215,8 @@ def _validate(settings: Settings) -> None:
             f"--dev-jwt-secret must be at least {MIN_DEV_SECRET_CHARS} characters "
             f"(try: openssl rand -hex 32)"
         )
+    if settings.chat_rate < 1:
+        raise ConfigError("--chat-rate must be at least 1")
 
 
 def parse(argv: Sequence[str] | None = None) -> Settings:
