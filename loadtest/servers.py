@@ -261,6 +261,25 @@ async def start_redis(limit: float = 15.0) -> tuple[Proc, str]:
     raise StartError(f"redis-server did not answer PING:\n{proc.log_tail()}")
 
 
+async def redis_used_memory(url: str, limit: float = 5.0) -> int:
+    """``used_memory`` from ``INFO memory`` of the Redis at ``redis://host:port/db``."""
+    host, _, port = url.removeprefix("redis://").split("/")[0].rpartition(":")
+    async with asyncio.timeout(limit):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(b"INFO memory\r\n")
+            head = await reader.readline()  # $<length>
+            if not head.startswith(b"$"):
+                raise StartError(f"unexpected INFO reply {head!r}")
+            body = await reader.readexactly(int(head[1:]) + 2)
+        finally:
+            writer.close()
+    for line in body.splitlines():
+        if line.startswith(b"used_memory:"):
+            return int(line.split(b":", 1)[1])
+    raise StartError("INFO memory has no used_memory")
+
+
 async def start_moto(limit: float = 60.0) -> tuple[Proc, str]:
     binary = shutil.which("moto_server")
     if binary is None:
