@@ -639,7 +639,9 @@ class SimClient(asyncio.Protocol):
             tally.stream_first += 1
             self.book.positions[stream] = [epoch, offset]
             return
-        if position[0] != epoch:
+        if position[1] < 0:
+            pass  # refetched after recovered:false with no known top: anything goes
+        elif position[0] != epoch:
             tally.epoch_changes += 1
         elif offset <= position[1]:
             tally.duplicates += 1
@@ -661,7 +663,9 @@ class SimClient(asyncio.Protocol):
                 tally.recovered_short += 1
         else:
             tally.not_recovered += 1
-            self.book.positions[stream] = [epoch, top]  # the browser refetches here
+            # The browser refetches here; a top of 0 means the server does not
+            # know it either, so the next event, whatever it is, starts afresh.
+            self.book.positions[stream] = [epoch, top if top > 0 else -1]
         book = self.book
         book.got += 1
         if book.got == book.expect:
