@@ -398,7 +398,11 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"{figs['recovered_true']} / {figs['recovered_false']} / {figs['recovered_short']}",
         )
         add("failed connects", figs["failed_connects"])
-        add("server CPU during the storm", figs["server_cores"], "cores")
+        add(
+            "server CPU during the storm",
+            f"{_fmt(figs['server_cpu_s'])} CPU-s ({_fmt(figs['server_cores'])} cores)",
+        )
+        add("server waiting for a CPU held by others", figs["server_cpu_wait_s"], "s")
         add("generator CPU", figs["generator_cores"], "cores")
     if "all_observers_ms" in figs:
         a, p = figs["all_observers_ms"], figs["pairs_ms"]

@@ -79,6 +79,8 @@ class Meter:
 
     wall: float
     server_cpu: dict[str, float]
+    server_wait: dict[str, float]
+    """Seconds each server was runnable but waited for a CPU (other processes had it)."""
     generator_cpu: float
     worker_cpu: tuple[float, ...]
     parent_cpu: float
@@ -268,6 +270,13 @@ class Run:
                 total += proc.cpu()
         return total
 
+    def server_wait(self, label: str) -> float:
+        total = 0.0
+        for proc in self.servers.get(label, []):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += proc.cpu_wait()
+        return total
+
     def server_rss(self, label: str) -> int:
         total = 0
         for proc in self.servers.get(label, []):
@@ -281,6 +290,7 @@ class Run:
         return Meter(
             wall=time.time(),
             server_cpu={label: self.server_cpu(label) for label in self.servers},
+            server_wait={label: self.server_wait(label) for label in self.servers},
             generator_cpu=sum(workers) + parent,
             worker_cpu=workers,
             parent_cpu=parent,
@@ -312,6 +322,8 @@ class Run:
             server = end.server_cpu.get(label, 0.0) - start.server_cpu.get(label, 0.0)
             out["server_cpu_s"] = round(server, 3)
             out["server_cores"] = round(server / wall, 3)
+            waited = end.server_wait.get(label, 0.0) - start.server_wait.get(label, 0.0)
+            out["server_cpu_wait_s"] = round(waited, 3)
         return out
 
     def generator_total(self) -> dict[str, float]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.http import get
-from loadtest.procstat import cpu_seconds, rss_bytes
+from loadtest.procstat import cpu_seconds, rss_bytes, run_delay_seconds
 
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -79,6 +79,9 @@ class Proc:
 
     def rss(self) -> int:
         return rss_bytes(self.pid)
+
+    def cpu_wait(self) -> float:
+        return run_delay_seconds(self.pid)
 
     def running(self) -> bool:
         return self.process.poll() is None
