@@ -330,6 +330,8 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             p = figs[phase]
             tag = "saturated" if phase == "saturate" else "steady"
             add(f"{tag}: publish rate", p["publish_rate"], "/s")
+            if "publishes_per_cpu_s" in p:
+                add(f"{tag}: publishes per server CPU-s", p["publishes_per_cpu_s"], "/s")
             add(f"{tag}: delivered", p["delivered_per_s"], "msg/s")
             per_round = ", ".join(
                 _fmt(r[phase]["delivered_per_cpu_s"]) for r in figs.get("rounds", [])

@@ -180,9 +180,11 @@ def test_presence(outcomes: dict[str, Outcome]) -> None:
 
 def test_publish(outcomes: dict[str, Outcome]) -> None:
     servers = _figures(outcomes, "publish")
-    assert set(servers) == {"ours", "ours+redis"}
+    assert set(servers) == {"baseline", "ours", "ours+redis"}
+    _check_fanout(servers.pop("baseline"))
     for figs in servers.values():
         _check_fanout(figs)
+        assert figs["saturate"]["publishes_per_cpu_s"] > 0
         checks = figs["stream_checks"]
         # every event arrived with a position, one apart from the last on its stream
         assert checks["stream_events"] >= figs["saturate"]["delivered"], checks
