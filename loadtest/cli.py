@@ -47,6 +47,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "publishers": 32,
     },
     "recovery": {"connections": 5000, "games": 1000, "games_per_conn": 5, "bots": 0.0},
+    "streammem": {"connections": 10000},
 }
 
 HELP = {
@@ -58,6 +59,7 @@ HELP = {
     "baseline": "the fanout measurement of the minimal websockets.broadcast server alone",
     "publish": "events/s into the streams from one node, and latency at half that rate",
     "recovery": "K clients reconnect at once with since after missing events: time, lost, dups",
+    "streammem": "Redis memory per stream (N streams through the Lua script), idle and full",
 }
 
 
@@ -315,6 +317,16 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
     def add(label: str, value: Any, unit: str = "") -> None:
         rows.append((name, label, f"{_fmt(value)} {unit}".strip()))
 
+    if "bytes_per_stream_full_history" in figs:
+        add("streams", figs["streams"])
+        add("Redis bytes per stream, 1 event", figs["bytes_per_stream_one_event"], "B")
+        add(
+            f"Redis bytes per stream, {figs['history_size']} events (cap)",
+            figs["bytes_per_stream_full_history"],
+            "B",
+        )
+        add("Redis bytes per stream, meta only", figs["bytes_per_stream_meta_only"], "B")
+        add("growth past the cap, per stream", figs["growth_past_cap_bytes_per_stream"], "B")
     if "rss_per_connection_kib" in figs:
         add("RSS per connection", figs["rss_per_connection_kib"], "KiB")
     if "redis_cpu_s" in figs:

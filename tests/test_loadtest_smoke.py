@@ -52,6 +52,7 @@ SCENARIOS: dict[str, list[str]] = {
     # both run a node on the in-process bus, then one on Redis (+ moto)
     "publish": [*FANOUT, "--games", "20", "--games-per-conn", "1"],
     "recovery": ["-n", "20", "--games", "10", "--games-per-conn", "5", "--away-events", "3"],
+    "streammem": ["-n", "50"],
 }
 WITH_REPORT = {"fanout", "presence", "storm", "recovery"}
 
@@ -217,3 +218,13 @@ def test_cluster(outcomes: dict[str, Outcome]) -> None:
     assert cluster["nodes"] == 2
     _check_fanout(cluster["fanout"])
     _check_presence(cluster["presence"])
+
+
+def test_streammem(outcomes: dict[str, Outcome]) -> None:
+    figs = _figures(outcomes, "streammem")["redis"]
+    assert figs["streams"] == 50
+    # The history is capped: exactly history_size kept, and no growth past the cap.
+    assert figs["kept_after_cap"] == figs["history_size"]
+    assert figs["top_after_cap"] == figs["history_size"] + 1
+    assert figs["growth_past_cap_bytes_per_stream"] <= 0.05 * figs["bytes_per_stream_full_history"]
+    assert 0 < figs["bytes_per_stream_meta_only"] < figs["bytes_per_stream_full_history"]
