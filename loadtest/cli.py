@@ -147,8 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("presence", "cluster"):
             parents.append(pres)
         sub = commands.add_parser(name, parents=parents, help=HELP[name], description=HELP[name])
-        if name in ("storm", "recovery"):
+        if name == "storm":
             sub.add_argument("--storm-timeout", type=float, default=60.0)
+        if name == "recovery":
+            sub.add_argument(
+                "--storm-timeout",
+                type=float,
+                default=180.0,
+                help="seconds to wait for every client's recovered answers",
+            )
         if name == "recovery":
             sub.add_argument(
                 "--away-events",
