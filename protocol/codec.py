@@ -18,6 +18,7 @@ from websockets.frames import Opcode
 from protocol.messages import (
     AdminTest,
     GameEvent,
+    PendingTurns,
     PresenceDelta,
     PresenceSnapshot,
     ServerMessage,
@@ -51,6 +52,9 @@ def to_wire(message: ServerMessage) -> dict[str, Any]:
         return {"verb": message.verb, "payload": message.payload}
     if isinstance(message, AdminTest):
         return {"verb": "test", "payload": message.payload}
+    if isinstance(message, PendingTurns):
+        games = [{"meta": meta, "id": game_id} for meta, game_id in message.games]
+        return {"verb": "pendingTurns", "payload": {"games": games}}
     return {"verb": "error", "payload": {"code": message.code, "message": message.message}}
 
 

@@ -16,6 +16,7 @@ class ErrorCode(StrEnum):
     TOO_MANY_GAMES = "too_many_games"
     USER_MISMATCH = "user_mismatch"
     UNAVAILABLE = "unavailable"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
 
 
 class CloseCode(IntEnum):
@@ -25,7 +26,9 @@ class CloseCode(IntEnum):
     POLICY_VIOLATION = 1008  # bad token
     MESSAGE_TOO_BIG = 1009  # frame over MAX_FRAME_BYTES
     SERVICE_RESTART = 1012  # drain on deploy: reconnect at once
+    TRY_AGAIN_LATER = 1013  # a token or a bot's games could not be checked now
     SLOW_CONSUMER = 4008  # outbox overflow: the client could not keep up
+    TOO_MANY_CONNECTIONS = 4509  # over the per-user (bots: --bot-max-connections) limit
 
 
 class ProtocolError(Exception):

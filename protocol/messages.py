@@ -27,7 +27,8 @@ class Subscribe:
 
     token: str
     invisible: bool = False
-    wants_presence: bool = True
+    # None when the client did not say: humans then get presence, bots do not.
+    wants_presence: bool | None = None
     watch_version: int | None = None
     # None means the client sent no ``games`` field (a legacy client).
     games: frozenset[GameKey] | None = None
@@ -107,7 +108,16 @@ class ErrorMessage:
     message: str
 
 
-ServerMessage = PresenceSnapshot | PresenceDelta | GameEvent | AdminTest | ErrorMessage
+@dataclass(frozen=True, slots=True)
+class PendingTurns:
+    """``pendingTurns``: every current game where a bot is to move, sent on subscribe."""
+
+    games: tuple[tuple[str, str], ...]  # (meta, id)
+
+
+ServerMessage = (
+    PresenceSnapshot | PresenceDelta | GameEvent | AdminTest | ErrorMessage | PendingTurns
+)
 
 
 # --- backend -> server ------------------------------------------------------

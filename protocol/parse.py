@@ -87,7 +87,7 @@ def _parse_subscribe(message: Mapping[str, Any]) -> Subscribe:
     return Subscribe(
         token=token,
         invisible=_parse_bool(message, "invisible", default=False),
-        wants_presence=_parse_bool(message, "wantsPresence", default=True),
+        wants_presence=_parse_optional_bool(message, "wantsPresence"),
         watch_version=watch_version,
         games=_parse_games(message.get("games"), required=False),
     )
@@ -97,10 +97,13 @@ MAX_WATCH_VERSION = 1000
 
 
 def _parse_bool(message: Mapping[str, Any], name: str, *, default: bool) -> bool:
+    value = _parse_optional_bool(message, name)
+    return default if value is None else value
+
+
+def _parse_optional_bool(message: Mapping[str, Any], name: str) -> bool | None:
     value = message.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
+    if value is not None and not isinstance(value, bool):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"'{name}' must be true or false")
     return value
 

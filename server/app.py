@@ -24,12 +24,13 @@ from protocol.errors import (
 )
 from protocol.messages import Subscribe, SyncPresence, WatchGames
 from protocol.parse import parse_client_frame
-from server.auth import Authenticator, CognitoVerifier, DevVerifier
+from server.auth import Authenticator, BotVerifier, CognitoVerifier, DevVerifier
 from server.bus.base import Bus
 from server.bus.memory import MemoryBus
 from server.config import Settings
 from server.connection import Session
 from server.ingress.http import build_app
+from server.jwks import jwks_source
 from server.metrics import REGISTRY
 from server.node import Node
 from server.presence import MemoryPresenceBackend, PresenceBackend
@@ -45,10 +46,19 @@ def build_authenticator(settings: Settings) -> Authenticator:
     cognito = None
     if settings.cognito_issuer is not None and settings.cognito_client_id is not None:
         cognito = CognitoVerifier(
-            settings.cognito_issuer, settings.cognito_client_id, settings.jwks_file
+            settings.cognito_issuer,
+            settings.cognito_client_id,
+            jwks_source(settings.cognito_issuer, settings.jwks_file),
+        )
+    bot = None
+    if settings.bot_cognito_issuer is not None and settings.bot_scope is not None:
+        bot = BotVerifier(
+            settings.bot_cognito_issuer,
+            settings.bot_scope,
+            jwks_source(settings.bot_cognito_issuer, settings.bot_jwks_file),
         )
     dev = DevVerifier(settings.dev_jwt_secret) if settings.dev_jwt_secret else None
-    return Authenticator(cognito=cognito, dev=dev)
+    return Authenticator(cognito=cognito, dev=dev, bot=bot)
 
 
 def build_store(settings: Settings) -> Store:

@@ -28,6 +28,10 @@ class Settings:
     cognito_issuer: str | None = None
     cognito_client_id: str | None = None
     jwks_file: Path | None = None
+    bot_cognito_issuer: str | None = None
+    bot_scope: str | None = None
+    bot_jwks_file: Path | None = None
+    bot_max_connections: int = 4
     presence_debounce_ms: int = 1000
     outbox_limit_bytes: int = 1024 * 1024
     ping_interval: float = 20.0
@@ -64,6 +68,10 @@ _HELP: dict[str, str] = {
     "cognito_issuer": "Cognito user pool issuer URL; enables RS256 ID tokens",
     "cognito_client_id": "Cognito app client id, the ID tokens' audience",
     "jwks_file": "read the pool's JWKS from this file instead of the issuer URL",
+    "bot_cognito_issuer": "Cognito bot pool issuer URL; enables bot access tokens",
+    "bot_scope": "OAuth scope every bot access token must carry (with --bot-cognito-issuer)",
+    "bot_jwks_file": "read the bot pool's JWKS from this file instead of the issuer URL",
+    "bot_max_connections": "most connections one bot may hold on one node",
     "presence_debounce_ms": "window over which presence joins and leaves coalesce",
     "outbox_limit_bytes": "bytes a client may have unsent before it is closed as slow",
     "ping_interval": "seconds between keepalive pings",
@@ -101,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _field_type(name: str) -> type[Any]:
     default = getattr(Settings(), name)
-    if name == "jwks_file":
+    if name.endswith("jwks_file"):
         return Path
     if isinstance(default, bool | str) or default is None:
         return str
@@ -141,6 +149,13 @@ def _validate(settings: Settings) -> None:
         )
     if (settings.cognito_issuer is None) != (settings.cognito_client_id is None):
         raise SystemExit("--cognito-issuer and --cognito-client-id go together")
+    if (settings.bot_cognito_issuer is None) != (settings.bot_scope is None):
+        raise SystemExit("--bot-cognito-issuer and --bot-scope go together")
+    bot_pool, human_pool = settings.bot_cognito_issuer, settings.cognito_issuer
+    if bot_pool and human_pool and bot_pool.rstrip("/") == human_pool.rstrip("/"):
+        raise SystemExit("--bot-cognito-issuer must be the bot pool, not the human pool")
+    if settings.bot_max_connections < 1:
+        raise SystemExit("--bot-max-connections must be at least 1")
     if settings.presence_debounce_ms < 0:
         raise SystemExit("--presence-debounce-ms must not be negative")
 

@@ -41,6 +41,7 @@ class Session:
         "close_task",
         "connection_id",
         "invisible",
+        "kind",
         "row_ttl",
         "user_id",
         "wants_presence",
@@ -57,6 +58,7 @@ class Session:
         self.connection_id = f"{uuid.uuid4().hex[:20]}{next(_ids):x}"
         self.binary = ws.subprotocol == MSGPACK_SUBPROTOCOL
         self.user_id: str | None = None
+        self.kind = "human"  # or "bot": bots are not counted in presence
         self.invisible = False
         self.wants_presence = True
         self.watch_version: int | None = None
@@ -67,6 +69,10 @@ class Session:
     @property
     def subscribed(self) -> bool:
         return self.user_id is not None
+
+    @property
+    def is_bot(self) -> bool:
+        return self.kind == "bot"
 
     @property
     def legacy(self) -> bool:

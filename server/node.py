@@ -23,7 +23,7 @@ from protocol.messages import (
     PresenceDelta,
     Subscribe,
 )
-from server.auth import Authenticator, AuthError
+from server.auth import Authenticator, AuthError, AuthUnavailable
 from server.batching import CoalescingFlusher
 from server.bus.base import Bus
 from server.bus.topics import (
@@ -46,6 +46,7 @@ from server.presence import (
     presence_resyncs,
 )
 from server.registry import ConnectionRegistry
+from server.services.bots import BotService
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Node:
         self.presence_backend = presence_backend
         self.authenticator = authenticator
         self.registry = ConnectionRegistry(store)
+        self.bots = BotService(store, settings.bot_max_connections, settings.outbox_limit_bytes)
         self.local_presence = LocalPresence()
         self.view = PresenceView()
         self.writer = PresenceWriter(presence_backend, store, settings.presence_debounce)
@@ -145,6 +147,7 @@ class Node:
             await self.store.delete_endpoint_connections(self.node_id)
         await self.bus.close()
         await self.presence_backend.close()
+        await self.authenticator.close()
         await self.store.close()
 
     # --- sessions -----------------------------------------------------------
@@ -159,16 +162,27 @@ class Node:
         user_id = session.user_id
         assert user_id is not None
         self._unindex(session)
-        self.local_presence.remove(user_id, session.invisible)
-        self._queue_reports()
+        if not session.is_bot:
+            self.local_presence.remove(user_id, session.invisible)
+            self._queue_reports()
         self.registry.delete(session.connection_id)
 
     async def subscribe(self, session: Session, action: Subscribe) -> None:
         try:
             identity = await self.authenticator.verify(action.token)
+        except AuthUnavailable as exc:
+            # Not the client's fault: a clear reason, and a code that says "retry".
+            session.send_error(ErrorCode.UNAVAILABLE, str(exc), self._outbox_limit)
+            session.close(CloseCode.TRY_AGAIN_LATER, "token cannot be checked now")
+            return
         except AuthError as exc:
             session.send_error(ErrorCode.UNAUTHORIZED, str(exc), self._outbox_limit)
             session.close(CloseCode.POLICY_VIOLATION, "invalid token")
+            return
+        bot = identity.kind == "bot"
+        if bot and not await self.bots.admit(
+            session, identity.user_id, lambda: self.by_user.get(identity.user_id, ())
+        ):
             return
         if session not in self.sessions:
             return  # closed while the token was checked
@@ -181,21 +195,30 @@ class Node:
                 )
                 return
             self._unindex(session)
-            self.local_presence.remove(identity.user_id, session.invisible)
+            if not session.is_bot:
+                self.local_presence.remove(identity.user_id, session.invisible)
         session.user_id = identity.user_id
+        session.kind = identity.kind
         session.invisible = action.invisible
-        session.wants_presence = action.wants_presence
+        # Bots get no presence unless they ask, and never fall back to legacy routing.
+        wants = action.wants_presence
+        session.wants_presence = wants if wants is not None else not bot
         session.watch_version = action.watch_version
+        if bot and session.watch_version is None:
+            session.watch_version = 1
         session.watching = action.games if action.games is not None else frozenset()
         session.row_ttl = ttl_from_now()
         self._index(session)
-        self.local_presence.add(identity.user_id, session.invisible)
-        self._queue_reports()
+        if not bot:
+            self.local_presence.add(identity.user_id, session.invisible)
+            self._queue_reports()
         self.registry.put(self._record(session))
         if session.wants_presence:
             # The snapshot and this session's place among delta recipients are
             # taken in the same loop turn, so it misses no delta after the snapshot.
             session.send(self.view.snapshot_frame(), self._outbox_limit)
+        if bot:
+            await self.bots.send_pending_turns(self, session)
 
     def watch(self, session: Session, games: frozenset[GameKey]) -> None:
         self._unindex_games(session)

@@ -6,7 +6,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from server.store.base import ConnectionRecord
+from server.store.base import BotRecord, ConnectionRecord, CurrentGame
 
 
 class MemoryStore:
@@ -15,6 +15,8 @@ class MemoryStore:
     def __init__(self) -> None:
         self._connections: dict[str, ConnectionRecord] = {}
         self._presence_seq = 0
+        self._bots: dict[str, BotRecord] = {}
+        self._current_games: dict[str, dict[str, CurrentGame]] = {}
 
     async def start(self) -> None:
         return None
@@ -66,3 +68,21 @@ class MemoryStore:
 
     async def current_presence_seq(self) -> int:
         return self._presence_seq
+
+    async def get_bot(self, client_id: str) -> BotRecord | None:
+        return self._bots.get(client_id)
+
+    async def current_games(self, user_id: str) -> list[CurrentGame]:
+        games = self._current_games.get(user_id, {})
+        return [games[game_id] for game_id in sorted(games)]
+
+    # The backend writes these rows; the embedded default and tests seed them here.
+
+    def put_bot(self, bot: BotRecord) -> None:
+        self._bots[bot.client_id] = bot
+
+    def put_current_game(self, user_id: str, game: CurrentGame) -> None:
+        self._current_games.setdefault(user_id, {})[game.game_id] = game
+
+    def delete_current_game(self, user_id: str, game_id: str) -> None:
+        self._current_games.get(user_id, {}).pop(game_id, None)

@@ -1,0 +1,1 @@
+"""Domain services (bots, chat, notifications, ...), each behind the store and bus interfaces."""
