@@ -7,6 +7,7 @@ in them, so the server's checks meet the real shapes.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from dataclasses import dataclass, field
@@ -101,7 +102,8 @@ class JwksServer:
     """Serves pools' JWKS at ``<issuer path>/.well-known/jwks.json`` on 127.0.0.1.
 
     ``down`` makes it answer 503; ``stop()`` closes the port (connection refused).
-    ``requests`` counts JWKS requests per path.
+    ``requests`` counts JWKS requests per path. ``POST /oauth2/token`` is a pool's
+    token URL: the client-credentials grant for the clients added with ``add_client``.
     """
 
     def __init__(self) -> None:
@@ -109,7 +111,34 @@ class JwksServer:
         self.down = False
         self.requests: dict[str, int] = {}
         self.port = 0
+        self.clients: dict[str, tuple[str, Pool]] = {}  # client id -> (secret, pool)
+        self.tokens_issued = 0
         self._runner: web.AppRunner | None = None
+
+    @property
+    def token_url(self) -> str:
+        return f"{self.base}/oauth2/token"
+
+    def add_client(self, pool: Pool, client_id: str, secret: str) -> None:
+        self.clients[client_id] = (secret, pool)
+
+    async def _token(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        try:
+            scheme, encoded = request.headers["Authorization"].split(" ", 1)
+            client_id, secret = base64.b64decode(encoded).decode().split(":", 1)
+        except (KeyError, ValueError):
+            return web.json_response({"error": "invalid_client"}, status=401)
+        known = self.clients.get(client_id)
+        if scheme != "Basic" or known is None or known[0] != secret:
+            return web.json_response({"error": "invalid_client"}, status=401)
+        if form.get("grant_type") != "client_credentials" or form.get("scope") != BOT_SCOPE:
+            return web.json_response({"error": "invalid_request"}, status=400)
+        self.tokens_issued += 1
+        token = known[1].bot_token(client_id)
+        return web.json_response(
+            {"access_token": token, "expires_in": 3600, "token_type": "Bearer"}
+        )
 
     @property
     def base(self) -> str:
@@ -136,6 +165,7 @@ class JwksServer:
 
     async def start(self, port: int = 0) -> None:
         app = web.Application()
+        app.router.add_post("/oauth2/token", self._token)
         app.router.add_get("/{tail:.*}", self._jwks)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()

@@ -87,7 +87,7 @@ async def test_current_games_reads_every_row_of_the_user(store: Store) -> None:
 
 async def test_current_games_follows_pages(store: Store) -> None:
     # ~150 rows of ~8 KB: more than one 1 MB Query page on DynamoDB.
-    players = tuple(f"player-{n:04d}-" + "x" * 100 for n in range(60)) + ("bot",)
+    players = (*(f"player-{n:04d}-" + "x" * 100 for n in range(60)), "bot")
     for n in range(150):
         seed_game(store, "bot", CurrentGame(f"g-{n:03d}", "chess", players, "60"))
     games = await store.current_games("bot")
