@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from server.store import BotRecord, CurrentGame, MemoryStore
+from server.store import BotRecord, CurrentGame, MemoryStore, StoreUnavailable
 from server.store.dynamodb import DynamoStore
 from tests.client import Client
 from tests.cluster.harness import eventually
@@ -303,3 +303,27 @@ async def test_pending_turns_from_currentgames_rows_in_dynamodb(
         error = await unknown.next_message(lambda m: m["verb"] == "error")
         assert error["payload"]["code"] == "unauthorized"
         assert (await unknown.closed())[0] == 1008
+
+
+class GamesUnreadable(MemoryStore):
+    """A store whose CURRENTGAMES# reads fail, as DynamoDB does after its retries."""
+
+    async def current_games(self, user_id: str) -> list[CurrentGame]:
+        raise StoreUnavailable("DynamoDB query failed after 8 attempts: ThrottlingException")
+
+
+async def test_unreadable_current_games_make_the_bot_retry(jwks: JwksServer) -> None:
+    bots = jwks.pool("bots")
+    store = GamesUnreadable()
+    store.put_bot(BotRecord(client_id=BOT, name="Tester", owner="owner-1"))
+    settings = dataclasses.replace(
+        TEST_SETTINGS, bot_cognito_issuer=bots.issuer, bot_scope=BOT_SCOPE
+    )
+    async with run_server(settings, store) as server:
+        client = await server.client()
+        await client.send({"action": "subscribe", "token": bots.bot_token(BOT)})
+        error = await client.next_message(lambda m: m["verb"] == "error")
+        assert error["payload"]["code"] == "unavailable"
+        assert "current games" in error["payload"]["message"]
+        assert (await client.closed())[0] == 1013
+        assert client.of_verb("pendingTurns") == []

@@ -54,6 +54,19 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
         (["--redis-url", "redis://127.0.0.1:1"], {}, "shared store"),
         (["--cognito-issuer", "https://x"], {}, "go together"),
         (["--presence-debounce-ms", "-1"], {}, "negative"),
+        (["--bot-cognito-issuer", "https://bots"], {}, "go together"),
+        (["--bot-scope", "s/communicate"], {}, "go together"),
+        (["--bot-max-connections", "0"], {}, "at least 1"),
+        (
+            [
+                "--bot-cognito-issuer=https://pool/",
+                "--bot-scope=s",
+                "--cognito-issuer=https://pool",
+                "--cognito-client-id=c",
+            ],
+            {},
+            "not the human pool",
+        ),
     ],
 )
 def test_bad_settings_are_refused_clearly(
@@ -61,3 +74,13 @@ def test_bad_settings_are_refused_clearly(
 ) -> None:
     with pytest.raises(SystemExit, match=message):
         parse(argv, environ)
+
+
+def test_bot_settings_from_flags_and_environment() -> None:
+    settings = parse(
+        ["--bot-cognito-issuer", "https://bots", "--bot-jwks-file", "/tmp/bots.json"],
+        {"AP_BOT_SCOPE": "res/communicate", "AP_BOT_MAX_CONNECTIONS": "2"},
+    )
+    assert settings.bot_cognito_issuer == "https://bots" and settings.bot_scope == "res/communicate"
+    assert str(settings.bot_jwks_file) == "/tmp/bots.json" and settings.bot_max_connections == 2
+    assert parse([], {}).bot_max_connections == 4
