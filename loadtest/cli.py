@@ -34,6 +34,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "presence": {"connections": 5000, "duration": 15.0},
     "storm": {"connections": 10000},
     "cluster": {"connections": 2000, "games": 200, "games_per_conn": 10, "bots": 0.1},
+    "bots": {"connections": 500, "games_per_conn": 10, "rate": 200.0, "duration": 10.0},
 }
 
 HELP = {
@@ -43,6 +44,7 @@ HELP = {
     "storm": "K clients connect at once: time until all hold a snapshot, failed connects",
     "cluster": "fanout and presence over several nodes, Redis and DynamoDB (moto)",
     "baseline": "the fanout measurement of the minimal websockets.broadcast server alone",
+    "bots": "bots on one node get yourTurn events published via another; that node restarts",
 }
 
 
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
     for name in SCENARIOS:
         parents = [common]
-        if name in ("fanout", "baseline", "cluster", "idle"):
+        if name in ("fanout", "baseline", "cluster", "idle", "bots"):
             parents.append(fan)
         if name in ("presence", "cluster"):
             parents.append(pres)
@@ -326,6 +328,39 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{queue.get('ListenOverflows', 0)} (somaxconn {figs.get('somaxconn')})",
             )
         add("generator CPU", figs["generator_cores"], "cores")
+    if "missed" in figs and "restart" in figs:
+        steady, restart = figs["steady"], figs["restart"]
+        lat = steady["latency"]
+        add("bots x games per bot", f"{figs['bots']} x {figs['games_per_bot']}")
+        add("yourTurn rate (steady)", figs["steady_publish_rate"], "/s")
+        add(
+            "steady: publish -> bot p50/p99/p999",
+            f"{_fmt(lat['p50_ms'])} / {_fmt(lat['p99_ms'])} / {_fmt(lat['p999_ms'])}",
+            "ms",
+        )
+        add("steady: server CPU (both nodes)", steady["server_cores"], "cores")
+        add(
+            "restart: stopped / ready again / all bots resubscribed",
+            f"{_fmt(restart['stop_s'])} / {_fmt(restart['back_ready_s'])} / "
+            f"{_fmt(restart['all_resubscribed_s'])}",
+            "s",
+        )
+        add(
+            "restart: recovered true / false",
+            f"{restart['recovered_true']} / {restart['recovered_false']}",
+        )
+        rep = restart["latency_incl_replay"]
+        add(
+            "during and after the restart: p50/p99/max (incl. replays)",
+            f"{_fmt(rep['p50_ms'])} / {_fmt(rep['p99_ms'])} / {_fmt(rep['max_ms'])}",
+            "ms",
+        )
+        add("turns accepted / publish failures", f"{figs['accepted']} / {figs['publish_failures']}")
+        add("turns missed / duplicates", f"{figs['missed']} / {figs['duplicates']}")
+        add(
+            "pendingTurns frames / wrong",
+            f"{figs['pending_turns_frames']} / {figs['pending_turns_wrong']}",
+        )
     if "all_observers_ms" in figs:
         a, p = figs["all_observers_ms"], figs["pairs_ms"]
         add("observers subscribed", figs["subscribed"])

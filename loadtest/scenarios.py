@@ -1,4 +1,4 @@
-"""The scenarios: idle, fanout, presence, storm, cluster and baseline.
+"""The scenarios: idle, fanout, presence, storm, cluster, baseline and bots (``bots.py``).
 
 Each returns a JSON-ready dict: per server (``baseline``, ``ours``, or the
 cluster) its figures, the ratios of ours to the baseline measured in the
@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.bots import bots
 from loadtest.clients import ClientSpec
 from loadtest.pool import WorkerError
 from loadtest.procstat import somaxconn, tcp_counters
@@ -791,6 +792,7 @@ async def cluster(run: Run) -> Result:
 
 
 SCENARIOS = {
+    "bots": bots,
     "idle": idle,
     "fanout": fanout,
     "presence": presence,
