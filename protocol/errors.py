@@ -17,6 +17,7 @@ class ErrorCode(StrEnum):
     USER_MISMATCH = "user_mismatch"
     UNAVAILABLE = "unavailable"
     TOO_MANY_CONNECTIONS = "too_many_connections"
+    STREAM_NOT_ALLOWED = "stream_not_allowed"
 
 
 class CloseCode(IntEnum):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from protocol.codec import Frame
 from protocol.errors import MAX_WATCHED_GAMES, CloseCode, ErrorCode
 from protocol.messages import GameKey, PendingTurns, game_key
+from protocol.streams import user_stream
 from server.connection import Session
 from server.metrics import REGISTRY
 from server.store.base import CurrentGame, Store, StoreUnavailable
@@ -134,6 +135,12 @@ class BotService:
         bot_id = session.user_id
         assert bot_id is not None
         try:
+            # Hear the bot's user stream before reading its games: a turn published
+            # after the read then arrives live, one published before is in the rows.
+            await node.bus.subscribe([user_stream(bot_id)])
+        except Exception as exc:
+            log.warning("bot %s: user stream subscription failed: %s", bot_id, exc)
+        try:
             games = await self._store.current_games(bot_id)
         except StoreUnavailable as exc:
             log.warning("bot %s: CURRENTGAMES# unreadable: %s", bot_id, exc)
@@ -149,7 +156,9 @@ class BotService:
             return  # closed (or taken over) while the games were read
         watched = watch_set(session.watching, games)
         if watched != session.watching:
-            node.watch(session, watched)
+            await node.watch(session, watched)
+            if session not in node.sessions:
+                return
         pending = tuple((g.meta, g.game_id) for g in games if is_to_move(g, bot_id))
         pending_sent.inc()
         session.send(Frame(PendingTurns(games=pending)), self._outbox_limit)
