@@ -327,3 +327,55 @@ async def test_unreadable_current_games_make_the_bot_retry(jwks: JwksServer) -> 
         assert "current games" in error["payload"]["message"]
         assert (await client.closed())[0] == 1013
         assert client.of_verb("pendingTurns") == []
+
+
+# ------------------------------------------------------------------ turns
+
+
+async def test_turns_reach_the_bot_live_with_their_stream_position(world: World) -> None:
+    bot = await world.bot()
+    await pending_turns(bot)
+    body = {"verb": "yourTurn", "users": [BOT], "payload": {"meta": "chess", "id": "g9"}}
+    status, reply = await world.server.publish(body)
+    assert status == 202, reply
+    message = await bot.next_message(lambda m: m["verb"] == "yourTurn")
+    assert message["payload"] == {"meta": "chess", "id": "g9"}
+    assert message["stream"] == f"user:{BOT}"
+    assert isinstance(message["epoch"], str) and message["offset"] == 1
+
+
+async def test_a_bot_whose_history_is_gone_gets_recovered_false_then_pending_turns(
+    world: World,
+) -> None:
+    world.store.put_current_game(BOT, game("g-waiting", ["alice", BOT], "1"))
+    bot = await world.server.client()
+    since = {f"user:{BOT}": {"epoch": "an-epoch-long-gone", "offset": 41}}
+    await bot.send({"action": "subscribe", "token": world.bots.bot_token(BOT), "since": since})
+    assert await pending_turns(bot) == {("chess", "g-waiting")}
+    verbs = [m["verb"] for m in bot.messages]
+    recovered = bot.of_verb("recovered")
+    assert len(recovered) == 1 and recovered[0]["payload"]["recovered"] is False
+    assert verbs.index("recovered") < verbs.index("pendingTurns")
+
+
+@pytest.mark.parametrize("world", [{"history_ttl": 1, "stream_meta_ttl": 1}], indirect=True)
+async def test_a_bot_whose_stream_restarts_under_it_gets_pending_turns_again(
+    world: World,
+) -> None:
+    world.store.put_current_game(BOT, game("g-waiting", ["alice", BOT], "1"))
+    bot = await world.server.client()
+    since = {f"user:{BOT}": {"epoch": "", "offset": 0}}  # speaks streams from the start
+    await bot.send({"action": "subscribe", "token": world.bots.bot_token(BOT), "since": since})
+    await pending_turns(bot)
+    body = {"verb": "yourTurn", "users": [BOT], "payload": {"meta": "chess", "id": "g1"}}
+    assert (await world.server.publish(body))[0] == 202
+    first = await bot.next_message(lambda m: m["verb"] == "yourTurn")
+    await asyncio.sleep(1.5)  # the stream's epoch expires: the next event starts a new one
+    assert (await world.server.publish(body))[0] == 202
+    await bot.wait_for(lambda: len(bot.of_verb("pendingTurns")) == 2)
+    lost = [m for m in bot.of_verb("recovered") if m["payload"]["recovered"] is False]
+    assert lost and lost[-1]["payload"]["epoch"] != first["epoch"]
+    verbs = [m["verb"] for m in bot.messages]
+    last_lost = len(verbs) - 1 - verbs[::-1].index("recovered")
+    assert verbs.index("pendingTurns", last_lost) > last_lost
+    assert pending(bot.of_verb("pendingTurns")[-1]) == {("chess", "g-waiting")}

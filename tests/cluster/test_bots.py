@@ -134,3 +134,43 @@ async def test_a_bot_on_any_node_gets_its_pending_turns_and_stays_out_of_presenc
     await asyncio.sleep(DEBOUNCE_MS / 1000 * 3)  # time for a (wrong) join of the bot
     await alice.barrier()
     assert alice.presence.visible == {"alice"} and alice.presence.server_total == 1
+
+
+def turn(game_id: str, n: int) -> dict[str, Any]:
+    return {
+        "verb": "yourTurn",
+        "users": [BOT],
+        "payload": {"meta": "volcano", "id": game_id, "n": n},
+    }
+
+
+def turns_of(client: Client) -> list[int]:
+    return [m["payload"]["n"] for m in client.of_verb("yourTurn")]
+
+
+async def test_turns_are_replayed_after_a_bot_reconnects_to_another_node(
+    bots: BotCluster,
+) -> None:
+    bots.put_current_game("v-mine", {"S": "0"})  # alice to move: nothing pending
+    first = await bots.bot("n1")
+    assert pending(await first.next_message(lambda m: m["verb"] == "pendingTurns")) == set()
+    assert await bots.cluster.publish("n2", turn("v-mine", 1)) == 202
+    live = await first.next_message(lambda m: m["verb"] == "yourTurn", within=10)
+    assert live["stream"] == f"user:{BOT}" and live["payload"]["n"] == 1
+    since = {live["stream"]: {"epoch": live["epoch"], "offset": live["offset"]}}
+
+    bots.cluster.kill("n1")  # the bot's node dies; its turns keep coming through n2
+    await first.closed(within=10)
+    for n in (2, 3, 4):
+        assert await bots.cluster.publish("n2", turn("v-mine", n)) == 202
+
+    second = await bots.bot("n2", since=since)
+    recovered = await second.next_message(lambda m: m["verb"] == "recovered", within=10)
+    assert recovered["payload"]["recovered"] is True
+    assert recovered["payload"]["offset"] == live["offset"] + 3
+    assert turns_of(second) == [2, 3, 4]  # replayed in order, before "recovered"
+    offsets = [m["offset"] for m in second.of_verb("yourTurn")]
+    assert offsets == [live["offset"] + 1, live["offset"] + 2, live["offset"] + 3]
+    await second.next_message(lambda m: m["verb"] == "pendingTurns", within=10)
+    assert await bots.cluster.publish("n2", turn("v-mine", 5)) == 202
+    await second.wait_for(lambda: turns_of(second) == [2, 3, 4, 5], within=10)
