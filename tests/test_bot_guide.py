@@ -27,6 +27,12 @@ BOT = "guide-bot"
 SECRET = "guide-bot-secret"
 
 
+async def publish_turn(server: RunningServer, game_id: str) -> None:
+    body = {"verb": "yourTurn", "users": [BOT], "payload": {"meta": "chess", "id": game_id}}
+    status, reply = await server.publish(body)
+    assert status == 202, reply
+
+
 def example_source() -> str:
     text = GUIDE.read_text()
     found = re.search(r"<!-- example: bot\.py[^>]*-->\s*```python\n(.*?)```", text, re.DOTALL)
@@ -97,6 +103,25 @@ async def test_the_guide_example_learns_its_turns_and_reconnects(
         (again,) = node.by_user[BOT]
         assert again is not session and again.is_bot
         assert setup.issuer.tokens_issued == 1  # the token was reused, not fetched again
+
+        # Live turns arrive as yourTurn; the bot keeps its stream position.
+        await publish_turn(setup.server, "g3")
+        await eventually(lambda: turns[-1:] == [("chess", "g3")], 10, "a live yourTurn")
+        assert bot.positions[f"user:{BOT}"]["offset"] == 1
+        # Turns published while it is away are replayed when it reconnects with since.
+        # 1013 makes the example wait a second or two before it reconnects.
+        (session,) = node.by_user[BOT]
+        session.close(CloseCode.TRY_AGAIN_LATER, "try again later")
+        await eventually(lambda: BOT not in node.by_user, 10, "the bot to be gone")
+        mark = len(turns)
+        await publish_turn(setup.server, "g4")
+        await publish_turn(setup.server, "g5")
+        assert BOT not in node.by_user, "the example reconnected too soon for this test"
+        # replayed in order, then the pendingTurns of the new subscribe
+        await eventually(lambda: len(turns) == mark + 4, 10, "the replay and pendingTurns")
+        assert turns[mark : mark + 2] == [("chess", "g4"), ("chess", "g5")]
+        assert sorted(turns[mark + 2 :]) == [("chess", "g1"), ("chess", "g2")]
+        assert bot.positions[f"user:{BOT}"]["offset"] == 3
     finally:
         await bot.stop()
         await asyncio.wait_for(task, 10)  # stop() ends run()
