@@ -96,6 +96,13 @@ class Fleet:
     published: int = 0
     phase: str = "warmup"
 
+    def trouble(self) -> str:
+        """What went wrong so far, for a timeout's message."""
+        errors = sorted({e for b in self.bots for e in b.errors})
+        subscribes = sum(b.subscribes for b in self.bots)
+        text = f"; {subscribes} subscribes sent"
+        return text + (f"; errors: {errors[:5]}" if errors else "")
+
     def handle(self, bot: Bot, message: dict[str, Any]) -> None:
         received = time.time_ns()
         if "stream" in message and "offset" in message:
@@ -289,12 +296,19 @@ def write_rows(endpoint: str, table: str, bots: Sequence[Bot]) -> int:
 # --- the scenario -----------------------------------------------------------------
 
 
-async def _wait(run: Run, label: str, done: Callable[[], int], total: int, limit: float) -> float:
-    """Seconds until ``done()`` reaches ``total``; raises after ``limit``."""
+async def _wait(
+    run: Run,
+    label: str,
+    done: Callable[[], int],
+    total: int,
+    limit: float,
+    hint: Callable[[], str] = lambda: "",
+) -> float:
+    """Seconds until ``done()`` reaches ``total``; raises after ``limit`` with ``hint()``."""
     started = time.monotonic()
     while (count := done()) < total:
         if time.monotonic() - started > limit:
-            raise RuntimeError(f"bots: {label}: {count}/{total} after {limit:.0f} s")
+            raise RuntimeError(f"bots: {label}: {count}/{total} after {limit:.0f} s{hint()}")
         run.progress.update(label, count, total)
         await asyncio.sleep(0.05)
     return time.monotonic() - started
@@ -351,7 +365,10 @@ async def bots(run: Run) -> Result:
             "bots subscribed (pendingTurns received)",
             lambda: sum(b.pending_frames >= 1 for b in fleet.bots),
             count,
-            options.connect_timeout + count / 50,
+            # moto answers ~40 requests/s on a busy machine, and each subscribe of a
+            # bot costs two (its BOT row and its CURRENTGAMES# rows)
+            options.connect_timeout + count / 5,
+            fleet.trouble,
         )
         run.activate("bots", "steady")
         publisher = asyncio.create_task(
@@ -383,7 +400,8 @@ async def bots(run: Run) -> Result:
                 for b, s in zip(fleet.bots, subscribes, strict=True)
             ),
             count,
-            options.connect_timeout + count / 20,
+            options.connect_timeout + count / 5,
+            fleet.trouble,
         )
         resubscribed_s = time.monotonic() - restart_at
         fleet.phase = "after"

@@ -49,6 +49,18 @@ SCENARIOS: dict[str, list[str]] = {
     "storm": ["-n", "20"],
     "presence": ["-n", "20", *PRESENCE],
     "cluster": [*FANOUT, *PRESENCE, "--no-baseline"],
+    "bots": [
+        "-n",
+        "20",
+        "--games-per-conn",
+        "3",
+        "--duration",
+        "1",
+        "--warmup-seconds",
+        "0",
+        "--rate",
+        "50",
+    ],
 }
 WITH_REPORT = {"fanout", "presence", "storm"}
 
@@ -181,3 +193,14 @@ def test_cluster(outcomes: dict[str, Outcome]) -> None:
     assert cluster["nodes"] == 2
     _check_fanout(cluster["fanout"])
     _check_presence(cluster["presence"])
+
+
+def test_bots(outcomes: dict[str, Outcome]) -> None:
+    figs = _figures(outcomes, "bots")["bots"]
+    assert figs["bots"] == 20 and figs["games_per_bot"] == 3
+    assert figs["accepted"] > 0 and figs["publish_failures"] == 0
+    assert figs["missed"] == 0, figs
+    # every subscribe, before and after the restart, got exactly the one pending game
+    assert figs["pending_turns_frames"] >= 40 and figs["pending_turns_wrong"] == 0
+    assert figs["restart"]["recovered_true"] > 0
+    assert _finite(figs["steady"]["latency"]["p99_ms"])
