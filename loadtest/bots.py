@@ -85,6 +85,7 @@ class Bot:
     recovered: int = 0
     not_recovered: int = 0
     errors: list[str] = field(default_factory=list)
+    release: Callable[[], None] | None = None  # frees the bot's place in the connect ramp
 
 
 @dataclass
@@ -120,6 +121,9 @@ class Fleet:
             histogram.record(max(0, (received - payload["ts"]) // 1000))
         elif verb == "pendingTurns":
             bot.pending_frames += 1
+            if bot.release is not None:
+                bot.release()
+                bot.release = None
             games = [(g["meta"], g["id"]) for g in payload["games"]]
             if games != [(META, bot.to_move)]:
                 bot.pending_wrong += 1
@@ -136,26 +140,33 @@ class Fleet:
             bot.errors.append(f"{payload.get('code')}: {payload.get('message')}")
 
 
-async def run_bot(fleet: Fleet, bot: Bot, url: str, stop: asyncio.Event) -> None:
-    """Stay connected, as the guide's client does: resubscribe with ``since``."""
-    while not stop.is_set():
-        with contextlib.suppress(OSError, ConnectionClosed, InvalidHandshake, TimeoutError):
-            async with connect(url, open_timeout=10, compression=None) as ws:
-                subscribe: dict[str, Any] = {"action": "subscribe", "token": bot.token}
-                if bot.positions:
-                    subscribe["since"] = dict(bot.positions)
-                await ws.send(json.dumps(subscribe))
-                bot.subscribes += 1
-                stopping = asyncio.ensure_future(stop.wait())
-                try:
+async def run_bot(
+    fleet: Fleet, bot: Bot, url: str, stop: asyncio.Event, ramp: asyncio.Semaphore
+) -> None:
+    """Stay connected, as the guide's client does: resubscribe with ``since``.
+
+    The first subscribe waits for a place in ``ramp``, held until its
+    ``pendingTurns`` arrives; reconnects after the restart all come at once.
+    """
+    await ramp.acquire()
+    bot.release = ramp.release
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(OSError, ConnectionClosed, InvalidHandshake, TimeoutError):
+                async with connect(url, open_timeout=10, compression=None) as ws:
+                    subscribe: dict[str, Any] = {"action": "subscribe", "token": bot.token}
+                    if bot.positions:
+                        subscribe["since"] = dict(bot.positions)
+                    await ws.send(json.dumps(subscribe))
+                    bot.subscribes += 1
                     async for data in ws:
                         fleet.handle(bot, json.loads(data))
-                        if stop.is_set():
-                            break
-                finally:
-                    stopping.cancel()
-        if not stop.is_set():
-            await asyncio.sleep(0.2 + random.random() * 0.3)  # the node is restarting
+            if not stop.is_set():
+                await asyncio.sleep(0.2 + random.random() * 0.3)  # the node is restarting
+    finally:
+        if bot.release is not None:
+            bot.release()
+            bot.release = None
 
 
 async def publish_turns(
@@ -327,7 +338,9 @@ async def bots(run: Run) -> Result:
     redis_proc, redis_url = await start_redis()
     run.track(redis_proc)
     moto_proc, endpoint = await start_moto()
-    run.track(moto_proc)
+    # moto stands in for DynamoDB and is not under test: it may use any CPU (pinned
+    # with the nodes it starves them, and itself: one Python thread answers it all).
+    run.procs.append(moto_proc)
     table = f"loadtest-{uuid.uuid4().hex[:8]}"
     await create_table(endpoint, table)
     rows = await asyncio.to_thread(write_rows, endpoint, table, fleet.bots)
@@ -357,7 +370,10 @@ async def bots(run: Run) -> Result:
     publish_url = f"http://{HOST}:{front.http_port}/publish"
 
     stop_bots, stop_publishing = asyncio.Event(), asyncio.Event()
-    clients = [asyncio.create_task(run_bot(fleet, bot, url, stop_bots)) for bot in fleet.bots]
+    # First connects go in waves, as bots come up over time; reconnects after the
+    # restart all come at once (each bot retries every 0.2-0.5 s).
+    ramp = asyncio.Semaphore(max(1, options.ramp // 2))
+    clients = [asyncio.create_task(run_bot(fleet, bot, url, stop_bots, ramp)) for bot in fleet.bots]
     publisher: asyncio.Task[None] | None = None
     try:
         connect_s = await _wait(
