@@ -67,6 +67,9 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
             {},
             "not the human pool",
         ),
+        (["--history-size", "0"], {}, "history-size"),
+        (["--history-ttl", "0"], {}, "history-ttl"),
+        (["--history-ttl", "100", "--stream-meta-ttl", "50"], {}, "stream-meta-ttl"),
     ],
 )
 def test_bad_settings_are_refused_clearly(
@@ -84,3 +87,9 @@ def test_bot_settings_from_flags_and_environment() -> None:
     assert settings.bot_cognito_issuer == "https://bots" and settings.bot_scope == "res/communicate"
     assert str(settings.bot_jwks_file) == "/tmp/bots.json" and settings.bot_max_connections == 2
     assert parse([], {}).bot_max_connections == 4
+
+
+def test_stream_limits_come_from_the_settings() -> None:
+    settings = parse(["--history-size", "7"], {"AP_HISTORY_TTL": "60"})
+    limits = settings.stream_limits
+    assert (limits.history_size, limits.history_ttl, limits.meta_ttl) == (7, 60.0, 86400.0)

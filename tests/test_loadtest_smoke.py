@@ -61,6 +61,7 @@ SCENARIOS: dict[str, list[str]] = {
         "--rate",
         "50",
     ],
+    "streammem": ["-n", "50"],
 }
 WITH_REPORT = {"fanout", "presence", "storm"}
 
@@ -204,3 +205,13 @@ def test_bots(outcomes: dict[str, Outcome]) -> None:
     assert figs["pending_turns_frames"] >= 40 and figs["pending_turns_wrong"] == 0
     assert figs["restart"]["recovered_true"] > 0
     assert _finite(figs["steady"]["latency"]["p99_ms"])
+
+
+def test_streammem(outcomes: dict[str, Outcome]) -> None:
+    figs = _figures(outcomes, "streammem")["redis"]
+    assert figs["streams"] == 50
+    # The history is capped: exactly history_size kept, and no growth past the cap.
+    assert figs["kept_after_cap"] == figs["history_size"]
+    assert figs["top_after_cap"] == figs["history_size"] + 1
+    assert figs["growth_past_cap_bytes_per_stream"] <= 0.05 * figs["bytes_per_stream_full_history"]
+    assert 0 < figs["bytes_per_stream_meta_only"] < figs["bytes_per_stream_full_history"]
