@@ -154,9 +154,11 @@ async def run_bot(
         while not stop.is_set():
             with contextlib.suppress(OSError, ConnectionClosed, InvalidHandshake, TimeoutError):
                 async with connect(url, open_timeout=10, compression=None) as ws:
-                    subscribe: dict[str, Any] = {"action": "subscribe", "token": bot.token}
-                    if bot.positions:
-                        subscribe["since"] = dict(bot.positions)
+                    subscribe: dict[str, Any] = {
+                        "action": "subscribe",
+                        "token": bot.token,
+                        "since": dict(bot.positions),  # as the guide says: even when empty
+                    }
                     await ws.send(json.dumps(subscribe))
                     bot.subscribes += 1
                     async for data in ws:
