@@ -357,6 +357,7 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"{_fmt(restart['all_resubscribed_s'])}",
             "s",
         )
+        add("restart: bots resubscribed", f"{restart['resubscribed']} / {figs['bots']}")
         add(
             "restart: recovered true / false",
             f"{restart['recovered_true']} / {restart['recovered_false']}",
