@@ -17,6 +17,7 @@ from websockets.frames import Opcode
 
 from protocol.messages import (
     AdminTest,
+    ChatAck,
     GameEvent,
     PendingTurns,
     Positioned,
@@ -85,7 +86,15 @@ def to_wire(message: ServerMessage) -> dict[str, Any]:
     if isinstance(message, PendingTurns):
         games = [{"meta": meta, "id": game_id} for meta, game_id in message.games]
         return {"verb": "pendingTurns", "payload": {"games": games}}
-    return {"verb": "error", "payload": {"code": message.code, "message": message.message}}
+    if isinstance(message, ChatAck):
+        return {
+            "verb": "chatAck",
+            "payload": {"clientMsgId": message.client_msg_id, "timeStamp": message.time_stamp},
+        }
+    payload: dict[str, Any] = {"code": message.code, "message": message.message}
+    if message.client_msg_id is not None:
+        payload["clientMsgId"] = message.client_msg_id
+    return {"verb": "error", "payload": payload}
 
 
 class Frame:
