@@ -43,6 +43,15 @@ class Settings:
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
     log_level: str = "INFO"
+    max_connections: int = 30000
+    max_connections_per_user: int = 20
+    accept_rate: float = 2000.0
+    subscribe_timeout: float = 10.0
+    max_watched_games_per_user: int = 5000
+    flood_credits: int = 50
+    flood_window_seconds: float = 20.0
+    socket_send_buffer_bytes: int = 64 * 1024
+    token_cache_size: int = 10000
 
     @property
     def presence_debounce(self) -> float:
@@ -79,6 +88,23 @@ _HELP: dict[str, str] = {
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "max_connections": "open sockets this node accepts; over it upgrades get HTTP 503 "
+    "(3x the 10,000 a node is sized for, ~20 KiB each; 0 = no cap)",
+    "max_connections_per_user": "sockets one user may hold on this node; the next is closed "
+    "with 4509 (a browser opens one per tab; 20 tabs is generous)",
+    "accept_rate": "new connections per second (token bucket, one second of burst); over it "
+    "upgrades get HTTP 503 with Retry-After (above the ~1,200/s one core completes; 0 = off)",
+    "subscribe_timeout": "seconds a socket may stay open without subscribing before 4408 "
+    "(a browser subscribes within a second of connecting)",
+    "max_watched_games_per_user": "games one user may watch across all sockets on this node "
+    "(~1 KiB each; 20 tabs x 250 games)",
+    "flood_credits": "frames (data and control) a socket may send per --flood-window-seconds, "
+    "also its burst; over it: error rate_limited, then close 1008",
+    "flood_window_seconds": "window over which --flood-credits refill",
+    "socket_send_buffer_bytes": "SO_SNDBUF of each client socket: bounds the kernel's part of "
+    "the outbox instead of letting it autotune to 4 MiB (0 = kernel default)",
+    "token_cache_size": "verified tokens remembered (LRU, by hash, never past exp) so a "
+    "reconnect storm verifies each token once (0 = off)",
 }
 
 
@@ -143,6 +169,23 @@ def _validate(settings: Settings) -> None:
         raise SystemExit("--cognito-issuer and --cognito-client-id go together")
     if settings.presence_debounce_ms < 0:
         raise SystemExit("--presence-debounce-ms must not be negative")
+    for name in (
+        "max_connections",
+        "accept_rate",
+        "subscribe_timeout",
+        "socket_send_buffer_bytes",
+        "token_cache_size",
+    ):
+        if getattr(settings, name) < 0:
+            raise SystemExit(f"{_flag(name)} must not be negative")
+    for name in (
+        "max_connections_per_user",
+        "max_watched_games_per_user",
+        "flood_credits",
+        "flood_window_seconds",
+    ):
+        if getattr(settings, name) <= 0:
+            raise SystemExit(f"{_flag(name)} must be positive")
 
 
 def parse(argv: Sequence[str] | None = None) -> Settings:

@@ -50,6 +50,9 @@ from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, t
 
 log = logging.getLogger(__name__)
 
+SYNC_PRESENCE_INTERVAL = 1.0
+"""Seconds between two snapshots answering one connection's syncPresence."""
+
 events_published = REGISTRY.counter("ap_events_published_total", "Events accepted for fan-out")
 events_received = REGISTRY.counter("ap_bus_messages_total", "Envelopes received from the bus")
 bad_envelopes = REGISTRY.counter("ap_bus_bad_envelopes_total", "Envelopes that failed to decode")
@@ -82,6 +85,7 @@ class Node:
         self.by_game: dict[GameKey, set[Session]] = {}
         self.legacy: set[Session] = set()
         self.presence_watchers: set[Session] = set()
+        self.games_by_user: dict[str, int] = {}  # watched keys over a user's sessions
         self._outbox_limit = settings.outbox_limit_bytes
         self._topics: CoalescingFlusher[str, bool] = CoalescingFlusher(
             "bus-topics", self._apply_topics, lambda _old, new: new, bus_failures
@@ -182,11 +186,16 @@ class Node:
                 return
             self._unindex(session)
             self.local_presence.remove(identity.user_id, session.invisible)
+        elif not self._admit_user(session, identity.user_id):
+            return
+        games = action.games if action.games is not None else frozenset()
+        if not self._games_allowed(session, identity.user_id, games):
+            games = frozenset()
         session.user_id = identity.user_id
         session.invisible = action.invisible
         session.wants_presence = action.wants_presence
         session.watch_version = action.watch_version
-        session.watching = action.games if action.games is not None else frozenset()
+        session.watching = games
         session.row_ttl = ttl_from_now()
         self._index(session)
         self.local_presence.add(identity.user_id, session.invisible)
@@ -197,7 +206,39 @@ class Node:
             # taken in the same loop turn, so it misses no delta after the snapshot.
             session.send(self.view.snapshot_frame(), self._outbox_limit)
 
+    def _admit_user(self, session: Session, user_id: str) -> bool:
+        """At most --max-connections-per-user sockets per user: each pins memory."""
+        cap = self.settings.max_connections_per_user
+        if len(self.by_user.get(user_id, ())) < cap:
+            return True
+        session.send_error(
+            ErrorCode.TOO_MANY_CONNECTIONS,
+            f"this user already has {cap} connections open",
+            self._outbox_limit,
+        )
+        session.close(CloseCode.TOO_MANY_CONNECTIONS, "too many connections")
+        return False
+
+    def _games_allowed(
+        self, session: Session, user_id: str, games: frozenset[GameKey], replacing: int = 0
+    ) -> bool:
+        """At most --max-watched-games-per-user keys over all of a user's sockets
+        (``replacing``: keys of this session's that ``games`` replaces)."""
+        cap = self.settings.max_watched_games_per_user
+        held = self.games_by_user.get(user_id, 0) - replacing
+        if held + len(games) <= cap:
+            return True
+        session.send_error(
+            ErrorCode.TOO_MANY_GAMES,
+            f"this user may watch at most {cap} games over all connections",
+            self._outbox_limit,
+        )
+        return False
+
     def watch(self, session: Session, games: frozenset[GameKey]) -> None:
+        assert session.user_id is not None
+        if not self._games_allowed(session, session.user_id, games, len(session.watching)):
+            return
         self._unindex_games(session)
         session.watching = games
         session.watch_version = 1
@@ -232,7 +273,24 @@ class Node:
         self.writer.reconcile()
 
     def sync_presence(self, session: Session) -> None:
-        session.send(self.view.snapshot_frame(), self._outbox_limit)
+        """A snapshot now, or one at the end of the second that the last one opened:
+        each costs the whole visible list, so a client asking in a loop gets at
+        most one per second, and asks made meanwhile share it."""
+        if session.sync_pending:
+            return
+        loop = asyncio.get_running_loop()
+        wait = session.sync_at + SYNC_PRESENCE_INTERVAL - loop.time()
+        if wait <= 0:
+            self._send_sync(session)
+        else:
+            session.sync_pending = True
+            loop.call_later(wait, self._send_sync, session)
+
+    def _send_sync(self, session: Session) -> None:
+        session.sync_pending = False
+        session.sync_at = asyncio.get_running_loop().time()
+        if session in self.sessions:
+            session.send(self.view.snapshot_frame(), self._outbox_limit)
 
     def _index(self, session: Session) -> None:
         assert session.user_id is not None
@@ -252,6 +310,10 @@ class Node:
         self._unindex_games(session)
 
     def _index_games(self, session: Session) -> None:
+        if session.watching:
+            assert session.user_id is not None
+            user_id = session.user_id
+            self.games_by_user[user_id] = self.games_by_user.get(user_id, 0) + len(session.watching)
         if session.legacy:
             if not self.legacy:
                 self._topics.put(ALL_GAMES, True)
@@ -265,6 +327,12 @@ class Node:
             watchers.add(session)
 
     def _unindex_games(self, session: Session) -> None:
+        if session.watching and session.user_id is not None:
+            left = self.games_by_user.get(session.user_id, 0) - len(session.watching)
+            if left > 0:
+                self.games_by_user[session.user_id] = left
+            else:
+                self.games_by_user.pop(session.user_id, None)
         if session in self.legacy:
             self.legacy.discard(session)
             if not self.legacy:
