@@ -34,6 +34,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "presence": {"connections": 5000, "duration": 15.0},
     "storm": {"connections": 10000},
     "cluster": {"connections": 2000, "games": 200, "games_per_conn": 10, "bots": 0.1},
+    "abuse": {
+        "connections": 1000,
+        "games": 200,
+        "games_per_conn": 10,
+        "bots": 0.1,
+        "duration": 4.0,
+        "rate": 100.0,
+    },
+    "churn": {"connections": 500, "rounds": 20},
 }
 
 HELP = {
@@ -43,6 +52,9 @@ HELP = {
     "storm": "K clients connect at once: time until all hold a snapshot, failed connects",
     "cluster": "fanout and presence over several nodes, Redis and DynamoDB (moto)",
     "baseline": "the fanout measurement of the minimal websockets.broadcast server alone",
+    "abuse": "attacks on one node while N normal clients receive events: their p99, RSS, "
+    "losses, and every attacker's close code",
+    "churn": "rounds of N connect/subscribe/close: server memory left behind",
 }
 
 
@@ -114,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
     for name in SCENARIOS:
         parents = [common]
-        if name in ("fanout", "baseline", "cluster", "idle"):
+        if name in ("fanout", "baseline", "cluster", "idle", "abuse", "churn"):
             parents.append(fan)
         if name in ("presence", "cluster"):
             parents.append(pres)
@@ -123,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--storm-timeout", type=float, default=60.0)
         if name == "cluster":
             sub.add_argument("--nodes", type=int, default=2)
+        if name == "abuse":
+            sub.add_argument(
+                "--attackers", type=float, default=1.0, help="scale of every attack's count"
+            )
+            sub.add_argument(
+                "--pad", type=int, default=2000, help="payload bytes added to each steady event"
+            )
     return parser
 
 
@@ -165,6 +184,9 @@ def options_from(args: argparse.Namespace) -> Options:
     options.server_args = list(args.server_arg)
     options.server_cpus = [int(c) for c in args.server_cpus.split(",") if c.strip()]
     options.progress = not args.no_progress
+    if args.scenario == "abuse":
+        options.attackers = args.attackers
+        options.abuse_pad = args.pad
     if args.scenario == "cluster" and options.observers is None:
         options.observers = options.connections
     return options

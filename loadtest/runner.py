@@ -56,6 +56,10 @@ class Options:
     progress: bool = True
     timeout: float = 1800.0
     seed: int = 1
+    attackers: float = 1.0
+    """abuse: scale of each attack's attacker count."""
+    abuse_pad: int = 2000
+    """abuse: payload bytes added to each steady event, so slow readers fill up."""
 
 
 @dataclass(frozen=True)

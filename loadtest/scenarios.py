@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.abuse import abuse, churn
 from loadtest.clients import ClientSpec
 from loadtest.pool import WorkerError
 from loadtest.procstat import somaxconn, tcp_counters
@@ -791,6 +792,8 @@ async def cluster(run: Run) -> Result:
 
 
 SCENARIOS = {
+    "abuse": abuse,
+    "churn": churn,
     "idle": idle,
     "fanout": fanout,
     "presence": presence,
