@@ -201,8 +201,9 @@ class Run:
         if kind == "connect":
             self.base_subscribed = self.pool.total("subscribed")
 
-    async def start_server(self, kind: str) -> Proc:
-        """Start ``ours`` or ``baseline`` and register it for measurement."""
+    async def start_server(self, kind: str, extra_args: Sequence[str] = ()) -> Proc:
+        """Start ``baseline`` or our server (any other label, with ``extra_args``)
+        and register it for measurement."""
         self.progress.log(f"starting {kind} server")
         if kind == "baseline":
             proc = await start_baseline(self.secrets)
@@ -211,7 +212,7 @@ class Run:
                 "ours",
                 self.secrets,
                 debounce_ms=self.options.debounce_ms,
-                extra_args=self.options.server_args,
+                extra_args=[*self.options.server_args, *extra_args],
             )
         self.track(proc)
         self.add_server(kind, [proc])

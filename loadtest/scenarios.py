@@ -629,18 +629,28 @@ async def storm(run: Run) -> Result:
     options = run.options
     specs = [ClientSpec(user_id=f"s{index}") for index in range(options.connections)]
     servers: dict[str, Any] = {}
-    for kind in _servers(options):
-        proc = await run.start_server(kind)
+    # ours twice: with the verified-token cache (the default) and without it;
+    # each then takes a reconnect storm of the same clients with the same tokens.
+    kinds = [*_servers(options), NO_TOKEN_CACHE]
+    for kind in kinds:
+        extra = ["--token-cache-size=0"] if kind == NO_TOKEN_CACHE else []
+        proc = await run.start_server(kind, extra)
         servers[kind] = await _storm_one(run, kind, proc, specs)
+        if kind != "baseline":
+            servers[kind]["reconnect"] = await _reconnect_storm(run, kind, len(specs))
         await run.stop_servers(kind)
     result: Result = {"servers": servers}
+    result["ratios"] = {
+        "reconnect_server_cpu_token_cache_on_over_off": ratio(
+            servers["ours"]["reconnect"]["server_cpu_s"],
+            servers[NO_TOKEN_CACHE]["reconnect"]["server_cpu_s"],
+        )
+    }
     if "baseline" in servers:
-        result["ratios"] = {
-            "time_to_all_subscribed": ratio(
-                servers["ours"]["time_to_all_subscribed_s"],
-                servers["baseline"]["time_to_all_subscribed_s"],
-            )
-        }
+        result["ratios"]["time_to_all_subscribed"] = ratio(
+            servers["ours"]["time_to_all_subscribed_s"],
+            servers["baseline"]["time_to_all_subscribed_s"],
+        )
     ours = servers["ours"]
     result["targets"] = [
         check(
@@ -720,6 +730,32 @@ async def _storm_one(run: Run, label: str, proc: Proc, specs: Sequence[ClientSpe
         "counters": counters,
         **meter,
     }
+
+
+NO_TOKEN_CACHE = "ours_no_token_cache"
+
+
+async def _reconnect_storm(run: Run, label: str, count: int) -> Result:
+    """Every client dropped and back at once with its token: server CPU until all
+    are subscribed again (the token cache's saving shows here)."""
+    await run.pool.broadcast({"op": "close_all"}, limit=30)  # the drop is not measured
+    await asyncio.sleep(1.0)
+    run.activate(label, "reconnect")
+    already = run.pool.total("subscribed")
+    before = run.meter()
+    for index in run.observer_workers:
+        run.pool.send(index, {"op": "reconnect_all"})
+    done = await run.wait_for(
+        f"{label}: reconnect storm",
+        lambda: run.pool.total("subscribed") - already,
+        count,
+        limit=run.options.storm_timeout,
+    )
+    meter = run.interval(before, run.meter(), label)
+    with contextlib.suppress(WorkerError):
+        await run.replies("reconnect_all", limit=30)
+    await run.pool.broadcast({"op": "close_all"}, limit=30)
+    return {"all_subscribed": done, **meter}
 
 
 def _summary_s(times: Sequence[float]) -> dict[str, float]:

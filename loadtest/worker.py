@@ -161,6 +161,8 @@ class Worker:
                 return
             elif op == "close_all":
                 await self.close_all()
+            elif op == "reconnect_all":
+                await self.reconnect_all()
             elif op == "reset":
                 gc.unfreeze()
                 self._abort_all()
@@ -272,6 +274,15 @@ class Worker:
             if self.tally.connected <= 0:
                 break
             await asyncio.sleep(0.05)
+
+    async def reconnect_all(self) -> None:
+        """Drop every client, then connect every slot again at once with the token it
+        had: a reconnect storm, as after a balancer blip."""
+        await self.close_all()
+        self.stopping = False
+        for slot in self.slots:
+            slot.attempts = 0
+        await asyncio.gather(*(self._open(slot) for slot in self.slots))
 
     def _abort_all(self) -> None:
         self.stopping = True
