@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup-seconds", type=float, default=2.0, help="unmeasured publishing per server"
     )
     group.add_argument(
-        "--rounds", type=int, default=3, help="interleaved measuring rounds (medians reported)"
+        "--rounds", type=int, help="rounds (fanout: interleaved, medians reported; default 3)"
     )
     group.add_argument("--publishers", type=int, default=16, help="publish connections")
 

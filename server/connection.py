@@ -227,6 +227,17 @@ class GuardedConnection(ServerConnection):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        # A connection that ends without a closing handshake leaves the parser's
+        # EOFError, whose traceback holds the parser's frame, which holds the
+        # protocol: a cycle the raised collector thresholds keep for a long
+        # time. The traceback is of no use once the socket is gone.
+        parser_exc = self.protocol.parser_exc
+        if parser_exc is not None:
+            parser_exc.__traceback__ = None
+            parser_exc.__context__ = None
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         session = self.session
