@@ -315,7 +315,10 @@ async def churn(run: Run) -> Result:
         run.progress.log(f"round {number}: RSS {rss / MIB:.1f} MiB")
     await run.wait_timed("after the rounds", 2.0)
     rss_end = await run.rss_settled("ours")
+    metrics = await run_metrics(proc)
     await run.stop_servers("ours")
+    count = metrics.get("ap_memory_reclaims_total", 0.0)
+    spent = metrics.get("ap_memory_reclaim_seconds_total", 0.0)
     figures: Result = {
         "rounds": rounds,
         "connections_per_round": per_round,
@@ -323,6 +326,11 @@ async def churn(run: Run) -> Result:
         "rss_per_round_mib": [round((s - rss_start) / MIB, 1) for s in samples],
         "rss_peak_growth_mib": round((max(samples, default=rss_start) - rss_start) / MIB, 1),
         "rss_growth_after_mib": round((rss_end - rss_start) / MIB, 1),
+        "reclaims": int(count),
+        "reclaim_pause_mean_ms": round(spent / count * 1000, 2) if count else 0.0,
+        "reclaim_pause_max_ms": round(
+            metrics.get("ap_memory_reclaim_longest_seconds", 0) * 1000, 2
+        ),
     }
     targets = [
         check(

@@ -36,6 +36,7 @@ from server.limits import TokenBucket
 from server.metrics import REGISTRY
 from server.node import Node
 from server.presence import MemoryPresenceBackend, PresenceBackend
+from server.reclaim import Reclaimer
 from server.store.base import Store
 from server.store.memory import MemoryStore
 
@@ -98,8 +99,9 @@ def _select_subprotocol(
 class Handler:
     """Runs one socket's session: read frames in order, act, answer."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, reclaimer: Reclaimer | None = None) -> None:
         self.node = node
+        self.reclaimer = reclaimer
         settings = node.settings
         self.limit = settings.outbox_limit_bytes
         self.credits = settings.flood_credits
@@ -133,6 +135,8 @@ class Handler:
             self.node.closed(session)
             if isinstance(ws, GuardedConnection):
                 ws.session = None  # no cycle between a closed socket and its session
+            if self.reclaimer is not None:
+                self.reclaimer.closed()
 
     @staticmethod
     def _deadline(session: Session) -> None:
@@ -196,7 +200,9 @@ class Admission:
         return None
 
 
-async def start_listeners(node: Node) -> tuple[Server, web.AppRunner]:
+async def start_listeners(
+    node: Node, reclaimer: Reclaimer | None = None
+) -> tuple[Server, web.AppRunner]:
     settings = node.settings
     guarded = type(
         "NodeConnection",
@@ -207,7 +213,7 @@ async def start_listeners(node: Node) -> tuple[Server, web.AppRunner]:
         },
     )
     ws_server = await serve(
-        Handler(node),
+        Handler(node, reclaimer),
         settings.host,
         settings.port,
         select_subprotocol=_select_subprotocol,
@@ -255,7 +261,9 @@ async def serve_forever(settings: Settings) -> None:
         loop.add_signal_handler(signum, stop.set)
     node = await build_node(settings)
     await node.start()
-    ws_server, runner = await start_listeners(node)
+    reclaimer = Reclaimer()
+    ws_server, runner = await start_listeners(node, reclaimer)
+    reclaimer.start()
     gc.freeze()  # what start-up allocated lives as long as the process
     mode = "cluster node (Redis bus)" if settings.clustered else "embedded (in-process bus)"
     log.info(
@@ -272,6 +280,7 @@ async def serve_forever(settings: Settings) -> None:
     await stop.wait()
     log.info("shutting down: closing sessions and deleting this node's rows")
     ws_server.close(close_connections=False)
+    await reclaimer.stop()
     await node.stop()
     with contextlib.suppress(Exception):
         await ws_server.wait_closed()
