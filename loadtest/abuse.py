@@ -100,7 +100,8 @@ async def abuse(run: Run) -> Result:
         rng=run.rng,
     )
     try:
-        for number, attack in enumerate(ATTACKS, start=1):
+        chosen = [a for a in ATTACKS if not options.attacks or a.name in options.attacks]
+        for number, attack in enumerate(chosen, start=1):
             seconds = attack.seconds * options.duration / 4.0
             extra = attack.count - attack.open_allowed  # the cap's admitted ones stay
             context.count = attack.open_allowed + max(1, round(extra * options.attackers))
@@ -112,11 +113,13 @@ async def abuse(run: Run) -> Result:
             run.activate("ours", attack.name)
             metrics_before = await run_metrics(proc)
             watch.peak = 0
+            before = run.meter()
             stats, attackers, split = await asyncio.gather(
                 publisher.fixed_rate(number, rate, seconds),
                 attack.run(context),
                 _split_publishes(context, publisher, games, watchers, number, seconds),
             )
+            window = run.interval(before, run.meter(), "ours")
             await asyncio.gather(*(a.finish(attack.grace) for a in attackers))
             expected += stats.expected_deliveries + split["expected"]
             await run.drain(expected)
@@ -128,6 +131,9 @@ async def abuse(run: Run) -> Result:
                     "attackers": len(attackers),
                     "publishes": stats.accepted,
                     "publish_failures": stats.failed,
+                    "late_publishes": stats.late,
+                    "server_cores": window["server_cores"],
+                    "generator_busiest_process": window["generator_busiest_process"],
                     "expected": stats.expected_deliveries,
                     "split_publishes": split["accepted"],
                     "split_failures": split["failed"],

@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument(
                 "--pad", type=int, default=2000, help="payload bytes added to each steady event"
             )
+            sub.add_argument(
+                "--attack", action="append", default=[], help="run only this attack (repeat)"
+            )
     return parser
 
 
@@ -187,6 +190,7 @@ def options_from(args: argparse.Namespace) -> Options:
     if args.scenario == "abuse":
         options.attackers = args.attackers
         options.abuse_pad = args.pad
+        options.attacks = list(args.attack)
     if args.scenario == "cluster" and options.observers is None:
         options.observers = options.connections
     return options

@@ -58,6 +58,8 @@ class Options:
     seed: int = 1
     attackers: float = 1.0
     """abuse: scale of each attack's attacker count."""
+    attacks: list[str] = field(default_factory=list)
+    """abuse: run only these attacks (default: all)."""
     abuse_pad: int = 2000
     """abuse: payload bytes added to each steady event, so slow readers fill up."""
 

@@ -207,6 +207,15 @@ flooders = REGISTRY.counter(
 )
 
 
+FRAME_CREDIT_BYTES = 4096
+"""A frame costs one flood credit, plus one per full 4 KiB it carries: handling
+a 50 KB watchGames costs what a dozen small frames do."""
+
+
+def _stay_paused() -> None:
+    pass
+
+
 class GuardedConnection(ServerConnection):
     """A server connection whose every incoming frame spends flood credits, and
     whose automatic replies (pongs) count against the outbox like any frame.
@@ -256,7 +265,9 @@ class GuardedConnection(ServerConnection):
             and session.credits is not None
             and isinstance(event, WsFrame)
             and self.protocol.state is State.OPEN
-            and not session.credits.take(self.loop.time())
+            and not session.credits.take(
+                self.loop.time(), 1 + len(event.data) // FRAME_CREDIT_BYTES
+            )
         ):
             self._flooded(session)
         super().process_event(event)  # type: ignore[arg-type]
@@ -267,6 +278,14 @@ class GuardedConnection(ServerConnection):
         flooders.inc()
         log.info("closing flooder %s", session)
         session.send_error(ErrorCode.RATE_LIMITED, "too many frames: slow down", self.outbox_limit)
-        session.close(CloseCode.POLICY_VIOLATION, "rate limited")
-        # Nothing more it sends is worth reading; the close completes or times out.
+        # Nothing more it sends is worth reading: what it already sent may be
+        # megabytes, and its close reply would sit behind them. So: the close
+        # frame and our end of the stream go out now, reading stops for good
+        # (the message queue would otherwise resume it as the handler drains),
+        # and the socket is dropped after --close-timeout at the latest.
+        self.protocol.send_close(CloseCode.POLICY_VIOLATION, "rate limited")
+        self.protocol.send_eof()
+        self.send_data()
+        self.recv_messages.resume = _stay_paused
         self.transport.pause_reading()
+        session.close(CloseCode.POLICY_VIOLATION, "rate limited")
