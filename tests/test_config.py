@@ -61,3 +61,16 @@ def test_bad_settings_are_refused_clearly(
 ) -> None:
     with pytest.raises(SystemExit, match=message):
         parse(argv, environ)
+
+
+def test_every_setting_has_help_and_a_row_in_the_operations_guide() -> None:
+    from dataclasses import fields
+    from pathlib import Path
+
+    from server.config import _HELP, Settings
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    for spec in fields(Settings):
+        flag = "--" + spec.name.replace("_", "-")
+        assert _HELP.get(spec.name), spec.name
+        assert f"`{flag}`" in guide, flag
