@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.abuse import abuse, churn
+from loadtest.abuse import abuse, churn, run_metrics
 from loadtest.clients import ClientSpec
 from loadtest.pool import WorkerError
 from loadtest.procstat import somaxconn, tcp_counters
@@ -637,7 +637,7 @@ async def storm(run: Run) -> Result:
         proc = await run.start_server(kind, extra)
         servers[kind] = await _storm_one(run, kind, proc, specs)
         if kind != "baseline":
-            servers[kind]["reconnect"] = await _reconnect_storm(run, kind, len(specs))
+            servers[kind]["reconnect"] = await _reconnect_storm(run, kind, proc, len(specs))
         await run.stop_servers(kind)
     result: Result = {"servers": servers}
     result["ratios"] = {
@@ -735,13 +735,14 @@ async def _storm_one(run: Run, label: str, proc: Proc, specs: Sequence[ClientSpe
 NO_TOKEN_CACHE = "ours_no_token_cache"
 
 
-async def _reconnect_storm(run: Run, label: str, count: int) -> Result:
+async def _reconnect_storm(run: Run, label: str, proc: Proc, count: int) -> Result:
     """Every client dropped and back at once with its token: server CPU until all
     are subscribed again (the token cache's saving shows here)."""
     await run.pool.broadcast({"op": "close_all"}, limit=30)  # the drop is not measured
     await asyncio.sleep(1.0)
     run.activate(label, "reconnect")
     already = run.pool.total("subscribed")
+    hits_before = (await run_metrics(proc)).get("ap_token_cache_hits_total", 0.0)
     before = run.meter()
     for index in run.observer_workers:
         run.pool.send(index, {"op": "reconnect_all"})
@@ -752,10 +753,11 @@ async def _reconnect_storm(run: Run, label: str, count: int) -> Result:
         limit=run.options.storm_timeout,
     )
     meter = run.interval(before, run.meter(), label)
+    hits = (await run_metrics(proc)).get("ap_token_cache_hits_total", 0.0) - hits_before
     with contextlib.suppress(WorkerError):
         await run.replies("reconnect_all", limit=30)
     await run.pool.broadcast({"op": "close_all"}, limit=30)
-    return {"all_subscribed": done, **meter}
+    return {"all_subscribed": done, "token_cache_hits": int(hits), **meter}
 
 
 def _summary_s(times: Sequence[float]) -> dict[str, float]:
