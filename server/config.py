@@ -74,7 +74,8 @@ _HELP: dict[str, str] = {
     "cognito_client_id": "Cognito app client id, the ID tokens' audience",
     "jwks_file": "read the pool's JWKS from this file instead of the issuer URL",
     "presence_debounce_ms": "window over which presence joins and leaves coalesce",
-    "outbox_limit_bytes": "bytes a client may have unsent before it is closed as slow",
+    "outbox_limit_bytes": "bytes a client may have unsent (user space plus the kernel's send "
+    "queue, pongs included) before it is closed as slow (4008)",
     "ping_interval": "seconds between keepalive pings",
     "ping_timeout": "seconds to wait for a pong before dropping the peer",
     "close_timeout": "seconds to wait for a closing handshake before dropping the socket",
@@ -98,8 +99,9 @@ _HELP: dict[str, str] = {
     "(a browser subscribes within a second of connecting)",
     "max_watched_games_per_user": "games one user may watch across all sockets on this node "
     "(~1 KiB each; 20 tabs x 250 games)",
-    "flood_credits": "frames (data and control) a socket may send per --flood-window-seconds, "
-    "also its burst; over it: error rate_limited, then close 1008",
+    "flood_credits": "credits a socket may spend per --flood-window-seconds, also its burst; "
+    "a frame (data, ping, pong) costs 1, plus 1 per full 4 KiB; over it: error rate_limited, "
+    "then close 1008 (a browser sends a few frames a minute)",
     "flood_window_seconds": "window over which --flood-credits refill",
     "socket_send_buffer_bytes": "SO_SNDBUF of each client socket: bounds the kernel's part of "
     "the outbox instead of letting it autotune to 4 MiB (0 = kernel default)",
@@ -114,14 +116,18 @@ def _flag(name: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per setting; defaults stay None so the environment can fill them."""
+    defaults = Settings()
     for spec in fields(Settings):
         kind = _field_type(spec.name)
+        default = getattr(defaults, spec.name)
+        shown = "" if default in (None, "") else f"default {default}; "
         parser.add_argument(
             _flag(spec.name),
             dest=spec.name,
             type=kind,
             default=None,
-            help=f"{_HELP[spec.name]} (env AP_{spec.name.upper()})",
+            # argparse formats help with %: a literal one must be doubled
+            help=f"{_HELP[spec.name]} ({shown}env AP_{spec.name.upper()})".replace("%", "%%"),
         )
 
 
