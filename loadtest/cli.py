@@ -43,6 +43,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "rate": 100.0,
     },
     "churn": {"connections": 500, "rounds": 20},
+    "streammem": {"connections": 10000},
 }
 
 HELP = {
@@ -55,6 +56,7 @@ HELP = {
     "abuse": "attacks on one node while N normal clients receive events: their p99, RSS, "
     "losses, and every attacker's close code",
     "churn": "rounds of N connect/subscribe/close: server memory left behind",
+    "streammem": "Redis memory per stream (N streams through the Lua script), idle and full",
 }
 
 
@@ -305,6 +307,16 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
     def add(label: str, value: Any, unit: str = "") -> None:
         rows.append((name, label, f"{_fmt(value)} {unit}".strip()))
 
+    if "bytes_per_stream_full_history" in figs:
+        add("streams", figs["streams"])
+        add("Redis bytes per stream, 1 event", figs["bytes_per_stream_one_event"], "B")
+        add(
+            f"Redis bytes per stream, {figs['history_size']} events (cap)",
+            figs["bytes_per_stream_full_history"],
+            "B",
+        )
+        add("Redis bytes per stream, meta only", figs["bytes_per_stream_meta_only"], "B")
+        add("growth past the cap, per stream", figs["growth_past_cap_bytes_per_stream"], "B")
     if "rss_per_connection_kib" in figs:
         add("RSS per connection", figs["rss_per_connection_kib"], "KiB")
     if "redis_cpu_s" in figs:

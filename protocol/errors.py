@@ -18,6 +18,7 @@ class ErrorCode(StrEnum):
     UNAVAILABLE = "unavailable"
     RATE_LIMITED = "rate_limited"  # flood credits spent; the close (1008) follows
     TOO_MANY_CONNECTIONS = "too_many_connections"  # the close (4509) follows
+    STREAM_NOT_ALLOWED = "stream_not_allowed"
 
 
 class CloseCode(IntEnum):

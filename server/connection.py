@@ -27,7 +27,7 @@ from websockets.protocol import State
 
 from protocol.codec import Frame
 from protocol.errors import MSGPACK_SUBPROTOCOL, CloseCode, ErrorCode
-from protocol.messages import ErrorMessage, GameKey
+from protocol.messages import Broadcast, ErrorMessage, GameKey
 from server.limits import TokenBucket
 from server.metrics import REGISTRY
 
@@ -52,6 +52,8 @@ class Session:
         "deadline",
         "invisible",
         "kernel_capacity",
+        "positions",
+        "recovering",
         "row_ttl",
         "sync_at",
         "sync_pending",
@@ -81,10 +83,19 @@ class Session:
         self.sync_at = -1e9  # loop time of the last syncPresence answer
         self.sync_pending = False  # an answer is scheduled for the end of that second
         self.kernel_capacity = kernel_send_capacity(ws)
+        # Stream speakers only (they sent ``since``): stream -> last (epoch, offset)
+        # sent, so that replay and live never duplicate. None: a plain client.
+        self.positions: dict[str, tuple[str, int]] | None = None
+        # Streams being recovered -> live events buffered until the replay is sent.
+        self.recovering: dict[str, list[tuple[str, int, Broadcast]]] = {}
 
     @property
     def subscribed(self) -> bool:
         return self.user_id is not None
+
+    @property
+    def speaks_streams(self) -> bool:
+        return self.positions is not None
 
     @property
     def legacy(self) -> bool:

@@ -54,6 +54,9 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
         (["--redis-url", "redis://127.0.0.1:1"], {}, "shared store"),
         (["--cognito-issuer", "https://x"], {}, "go together"),
         (["--presence-debounce-ms", "-1"], {}, "negative"),
+        (["--history-size", "0"], {}, "history-size"),
+        (["--history-ttl", "0"], {}, "history-ttl"),
+        (["--history-ttl", "100", "--stream-meta-ttl", "50"], {}, "stream-meta-ttl"),
     ],
 )
 def test_bad_settings_are_refused_clearly(
@@ -74,3 +77,9 @@ def test_every_setting_has_help_and_a_row_in_the_operations_guide() -> None:
         flag = "--" + spec.name.replace("_", "-")
         assert _HELP.get(spec.name), spec.name
         assert f"`{flag}`" in guide, flag
+
+
+def test_stream_limits_come_from_the_settings() -> None:
+    settings = parse(["--history-size", "7"], {"AP_HISTORY_TTL": "60"})
+    limits = settings.stream_limits
+    assert (limits.history_size, limits.history_ttl, limits.meta_ttl) == (7, 60.0, 86400.0)

@@ -55,6 +55,7 @@ SCENARIOS: dict[str, list[str]] = {
         "--server-arg=--outbox-limit-bytes=65536",
     ],
     "churn": ["-n", "20", "--rounds", "2"],
+    "streammem": ["-n", "50"],
 }
 WITH_REPORT = {"fanout", "presence", "storm"}
 
@@ -210,3 +211,13 @@ def test_churn(outcomes: dict[str, Outcome]) -> None:
     assert ours["rounds"] == 2
     assert len(ours["rss_per_round_mib"]) == 2
     assert _finite(ours["rss_growth_after_mib"])
+
+
+def test_streammem(outcomes: dict[str, Outcome]) -> None:
+    figs = _figures(outcomes, "streammem")["redis"]
+    assert figs["streams"] == 50
+    # The history is capped: exactly history_size kept, and no growth past the cap.
+    assert figs["kept_after_cap"] == figs["history_size"]
+    assert figs["top_after_cap"] == figs["history_size"] + 1
+    assert figs["growth_past_cap_bytes_per_stream"] <= 0.05 * figs["bytes_per_stream_full_history"]
+    assert 0 < figs["bytes_per_stream_meta_only"] < figs["bytes_per_stream_full_history"]
