@@ -48,6 +48,7 @@ class Settings:
     history_size: int = 50
     history_ttl: int = 900
     stream_meta_ttl: int = 24 * 3600
+    chat_rate: int = 5
     log_level: str = "INFO"
     max_connections: int = 30000
     max_connections_per_user: int = 20
@@ -103,6 +104,7 @@ _HELP: dict[str, str] = {
     "history_size": "events kept per stream for recovery after a reconnect",
     "history_ttl": "seconds a stream's history is kept after its last event",
     "stream_meta_ttl": "seconds a stream's epoch and top offset are kept after its last event",
+    "chat_rate": "most chat comments one user may post per 10 s (cluster-wide when clustered)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "max_connections": "open sockets this node accepts; over it upgrades get HTTP 503 "
     "(3x the 10,000 a node is sized for, ~20 KiB each; 0 = no cap)",
@@ -211,6 +213,8 @@ def _validate(settings: Settings) -> None:
     ):
         if getattr(settings, name) <= 0:
             raise SystemExit(f"{_flag(name)} must be positive")
+    if settings.chat_rate < 1:
+        raise SystemExit("--chat-rate must be at least 1")
 
 
 def parse(argv: Sequence[str] | None = None) -> Settings:
