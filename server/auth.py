@@ -19,10 +19,16 @@ from typing import Any, Literal
 import jwt
 
 from server.jwks import JwksSource, JwksUnavailable, UnknownKey
+from server.metrics import REGISTRY
+from server.token_cache import TokenCache
 
 CLOCK_SKEW_SECONDS = 30
 
 IdentityKind = Literal["human", "bot"]
+
+token_cache_hits = REGISTRY.counter(
+    "ap_token_cache_hits_total", "Tokens accepted from the verified-token cache"
+)
 
 
 class AuthError(Exception):
@@ -121,16 +127,30 @@ class Authenticator:
         cognito: CognitoVerifier | None,
         dev: DevVerifier | None,
         bot: BotVerifier | None = None,
+        cache_size: int = 0,
     ) -> None:
         self._cognito = cognito
         self._dev = dev
         self._bot = bot
+        self.cache: TokenCache[Identity] = TokenCache(cache_size)
 
     @property
     def enabled(self) -> bool:
         return self._cognito is not None or self._dev is not None or self._bot is not None
 
     async def verify(self, token: str) -> Identity:
+        identity = self.cache.get(token)
+        if identity is not None:
+            token_cache_hits.inc()
+            return identity
+        identity = await self._verify(token)
+        if self.cache.size > 0:
+            # Verified just now, so exp is present (required) and trustworthy.
+            claims = jwt.decode(token, options={"verify_signature": False})
+            self.cache.put(token, identity, float(claims["exp"]))
+        return identity
+
+    async def _verify(self, token: str) -> Identity:
         try:
             header = jwt.get_unverified_header(token)
         except jwt.InvalidTokenError:
@@ -173,9 +193,10 @@ def _decode(
     issuer: str | None = None,
     audience: str | None = None,
 ) -> dict[str, Any]:
-    required = ["sub"]
+    # Every token expires: a development token without exp would be good forever.
+    required = ["sub", "exp"]
     if issuer is not None:
-        required += ["exp", "iss"]
+        required.append("iss")
     if audience is not None:
         required.append("aud")
     try:

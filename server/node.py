@@ -101,6 +101,9 @@ from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, t
 
 log = logging.getLogger(__name__)
 
+SYNC_PRESENCE_INTERVAL = 1.0
+"""Seconds between two snapshots answering one connection's syncPresence."""
+
 events_published = REGISTRY.counter("ap_events_published_total", "Events accepted for fan-out")
 events_received = REGISTRY.counter("ap_bus_messages_total", "Envelopes received from the bus")
 bad_envelopes = REGISTRY.counter("ap_bus_bad_envelopes_total", "Envelopes that failed to decode")
@@ -177,6 +180,7 @@ class Node:
         self.by_game: dict[GameKey, set[Session]] = {}
         self.legacy: set[Session] = set()
         self.presence_watchers: set[Session] = set()
+        self.games_by_user: dict[str, int] = {}  # watched keys over a user's sessions
         # Stream speakers among a stream's recipients on this node: the rest share
         # one frame per event on the fast path.
         self.speakers: dict[str, set[Session]] = {}
@@ -331,6 +335,11 @@ class Node:
             self._unindex(session)
             if not session.is_bot:
                 self.local_presence.remove(identity.user_id, session.invisible)
+        elif not self._admit_user(session, identity.user_id):
+            return
+        games = action.games if action.games is not None else frozenset()
+        if not self._games_allowed(session, identity.user_id, games):
+            games = frozenset()
         session.user_id = identity.user_id
         session.kind = identity.kind
         session.invisible = action.invisible
@@ -340,7 +349,7 @@ class Node:
         session.watch_version = action.watch_version
         if bot and session.watch_version is None:
             session.watch_version = 1
-        session.watching = action.games if action.games is not None else frozenset()
+        session.watching = games
         session.row_ttl = ttl_from_now()
         if action.since is not None and session.positions is None:
             session.positions = {}
@@ -361,9 +370,41 @@ class Node:
             # After recovery: a recovered:false is followed by a fresh list.
             await self.bots.send_pending_turns(self, session)
 
+    def _admit_user(self, session: Session, user_id: str) -> bool:
+        """At most --max-connections-per-user sockets per user: each pins memory."""
+        cap = self.settings.max_connections_per_user
+        if len(self.by_user.get(user_id, ())) < cap:
+            return True
+        session.send_error(
+            ErrorCode.TOO_MANY_CONNECTIONS,
+            f"this user already has {cap} connections open",
+            self._outbox_limit,
+        )
+        session.close(CloseCode.TOO_MANY_CONNECTIONS, "too many connections")
+        return False
+
+    def _games_allowed(
+        self, session: Session, user_id: str, games: frozenset[GameKey], replacing: int = 0
+    ) -> bool:
+        """At most --max-watched-games-per-user keys over all of a user's sockets
+        (``replacing``: keys of this session's that ``games`` replaces)."""
+        cap = self.settings.max_watched_games_per_user
+        held = self.games_by_user.get(user_id, 0) - replacing
+        if held + len(games) <= cap:
+            return True
+        session.send_error(
+            ErrorCode.TOO_MANY_GAMES,
+            f"this user may watch at most {cap} games over all connections",
+            self._outbox_limit,
+        )
+        return False
+
     async def watch(
         self, session: Session, games: frozenset[GameKey], since: Since | None = None
     ) -> None:
+        assert session.user_id is not None
+        if not self._games_allowed(session, session.user_id, games, len(session.watching)):
+            return
         kept = _kept_state(session, {game_stream(key) for key in games & session.watching})
         self._unindex_games(session)
         if since is not None and session.positions is None:
@@ -404,9 +445,26 @@ class Node:
         self.writer.reconcile()
 
     def sync_presence(self, session: Session) -> None:
-        session.send(self.view.snapshot_frame(), self._outbox_limit)
-        if session.user_id is not None:
-            self.last_seen.seen(session.user_id)
+        """A snapshot now, or one at the end of the second that the last one opened:
+        each costs the whole visible list, so a client asking in a loop gets at
+        most one per second, and asks made meanwhile share it."""
+        if session.sync_pending:
+            return
+        loop = asyncio.get_running_loop()
+        wait = session.sync_at + SYNC_PRESENCE_INTERVAL - loop.time()
+        if wait <= 0:
+            self._send_sync(session)
+        else:
+            session.sync_pending = True
+            loop.call_later(wait, self._send_sync, session)
+
+    def _send_sync(self, session: Session) -> None:
+        session.sync_pending = False
+        session.sync_at = asyncio.get_running_loop().time()
+        if session in self.sessions:
+            session.send(self.view.snapshot_frame(), self._outbox_limit)
+            if session.user_id is not None:
+                self.last_seen.seen(session.user_id)
 
     def _index(self, session: Session) -> None:
         assert session.user_id is not None
@@ -454,6 +512,10 @@ class Node:
         self.cursors.pop(stream, None)
 
     def _index_games(self, session: Session) -> None:
+        if session.watching:
+            assert session.user_id is not None
+            user_id = session.user_id
+            self.games_by_user[user_id] = self.games_by_user.get(user_id, 0) + len(session.watching)
         if session.legacy:
             if not self.legacy:
                 self._topics.put(ALL_GAMES, True)
@@ -470,6 +532,12 @@ class Node:
                 self._add_speaker(game_stream(key), session)
 
     def _unindex_games(self, session: Session) -> None:
+        if session.watching and session.user_id is not None:
+            left = self.games_by_user.get(session.user_id, 0) - len(session.watching)
+            if left > 0:
+                self.games_by_user[session.user_id] = left
+            else:
+                self.games_by_user.pop(session.user_id, None)
         if session in self.legacy:
             self.legacy.discard(session)
             if not self.legacy:

@@ -89,6 +89,19 @@ def test_bot_settings_from_flags_and_environment() -> None:
     assert parse([], {}).bot_max_connections == 4
 
 
+def test_every_setting_has_help_and_a_row_in_the_operations_guide() -> None:
+    from dataclasses import fields
+    from pathlib import Path
+
+    from server.config import _HELP, Settings
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    for spec in fields(Settings):
+        flag = "--" + spec.name.replace("_", "-")
+        assert _HELP.get(spec.name), spec.name
+        assert f"`{flag}`" in guide, flag
+
+
 def test_stream_limits_come_from_the_settings() -> None:
     settings = parse(["--history-size", "7"], {"AP_HISTORY_TTL": "60"})
     limits = settings.stream_limits
