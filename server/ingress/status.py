@@ -29,9 +29,6 @@ SAMPLE_SECONDS = 2.0
 HISTORY_SAMPLES = 300  # ten minutes at one sample every two seconds
 PAGE = resources.files("server.ingress").joinpath("status.html").read_bytes()
 
-RATE_LIMIT_CLOSES = "ap_flood_closes_total"
-"""Registered by the flood guard; absent (shown as none) on a node without one."""
-
 
 class History:
     """Connections and bus events per second, one sample per ``SAMPLE_SECONDS``."""
@@ -101,7 +98,7 @@ async def status(node: Node, history: History) -> dict[str, Any]:
         },
         "closes": {
             "slow_consumer": REGISTRY.value("ap_slow_consumers_total"),
-            "rate_limited": REGISTRY.get(RATE_LIMIT_CLOSES),
+            "rate_limited": REGISTRY.value("ap_flood_closes_total"),
         },
         "events": {
             "published": REGISTRY.value("ap_events_published_total"),

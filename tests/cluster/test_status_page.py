@@ -11,7 +11,9 @@ import json
 import shutil
 from pathlib import Path
 
+from tests.client import Client
 from tests.cluster.harness import ROOT, Cluster
+from tests.test_hardening import ping_frames
 
 BROWSER_DIR = Path(__file__).parents[1] / "browser"
 ARTIFACTS = ROOT / "test-artifacts"
@@ -33,6 +35,16 @@ async def test_the_operators_page_shows_live_numbers_and_every_node(pair: Cluste
         await cluster.client("n1", f"u{i % 4}", games=[("chess", f"g{i % 3}")])
     for i in range(3):
         await cluster.client("n2", f"v{i}")
+    # One flooder spends its credits: the page's rate-limit closes must count it.
+    flooder = await Client.open(cluster.nodes["n1"].ws_url)
+    flooder.ws.transport.write(ping_frames(200))
+    assert (await flooder.closed(within=10))[0] == 1008
+    for _ in range(200):  # the node forgets the flooder a moment after closing it
+        if (await metrics(cluster, "n1"))["ap_connections"] == 6:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("n1 still counts the flooder's socket after 10 s")
     writer = await cluster.wait_leader()
     before = await metrics(cluster, "n1")
     await asyncio.sleep(2.5)  # two history samples for the chart
@@ -67,9 +79,11 @@ async def test_the_operators_page_shows_live_numbers_and_every_node(pair: Cluste
         ("users", "ap_users"),
         ("watched_games", "ap_watched_games"),
         ("slow_consumer", "ap_slow_consumers_total"),
+        ("rate_limited", "ap_flood_closes_total"),
     ]:
         assert before[metric] == after[metric] == float(fields[field]), field
     assert (fields["connections"], fields["users"], fields["watched_games"]) == ("6", "4", "3")
+    assert float(fields["rate_limited"]) >= 1
     seq = float(fields["presence_seq"])
     assert before["ap_presence_seq"] <= seq <= after["ap_presence_seq"]
     assert fields["bus"] == "redis up" and fields["store"].startswith("dynamodb")
