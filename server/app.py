@@ -29,6 +29,7 @@ from server.bus.base import Bus
 from server.bus.memory import MemoryBus
 from server.config import Settings
 from server.connection import Session
+from server.dedup import Dedup, MemoryDedup, RedisDedup
 from server.ingress.http import build_app
 from server.metrics import REGISTRY
 from server.node import Node
@@ -78,11 +79,41 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
         # clients; if the cluster presumed it dead, it writes its rows again.
         redis_bus.on_reconnect(node.resync)
         cluster.on_presumed_dead(node.rewrite_rows)
-        return node
-    memory_bus = MemoryBus()
-    bus = memory_bus
-    backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
-    return Node(settings, store, bus, backend, build_authenticator(settings))
+    else:
+        memory_bus = MemoryBus()
+        bus = memory_bus
+        backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
+        node = Node(settings, store, bus, backend, build_authenticator(settings))
+    add_bridges(node, settings)
+    return node
+
+
+def _dedup(settings: Settings) -> Dedup:
+    """Cluster-wide in Redis when clustered; this process's memory when embedded."""
+    if settings.redis_url is not None:
+        from server.bus.redis_bus import make_client
+
+        return RedisDedup(make_client(settings.redis_url, retries=1))
+    return MemoryDedup()
+
+
+def add_bridges(node: Node, settings: Settings) -> None:
+    """The AWS inputs, each only when its flag is set: nothing polls AWS otherwise."""
+    if settings.sqs_queue_url is not None:
+        from server.ingress.sqs import SqsBridge
+
+        node.services.append(
+            SqsBridge(
+                node,
+                _dedup(settings),
+                settings.sqs_queue_url,
+                region=settings.region,
+                endpoint_url=settings.sqs_endpoint,
+                pollers=settings.sqs_pollers,
+                wait_seconds=settings.sqs_wait_seconds,
+                visibility_seconds=settings.sqs_visibility_seconds,
+            )
+        )
 
 
 def _select_subprotocol(

@@ -43,6 +43,13 @@ class Settings:
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
     log_level: str = "INFO"
+    sqs_queue_url: str | None = None
+    sqs_endpoint: str | None = None
+    sqs_pollers: int = 4
+    sqs_wait_seconds: int = 20
+    sqs_visibility_seconds: int = 30
+    notifications_from_stream: bool = False
+    stream_poll_ms: int = 500
 
     @property
     def presence_debounce(self) -> float:
@@ -79,6 +86,13 @@ _HELP: dict[str, str] = {
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "sqs_queue_url": "consume today's broadcast queue (WEBSOCKET_SQS) at this URL; off by default",
+    "sqs_endpoint": "SQS endpoint URL (a local SQS or moto); default: AWS in --region",
+    "sqs_pollers": "concurrent long polls of the queue on this node, 10 messages each",
+    "sqs_wait_seconds": "long-poll wait of each ReceiveMessage (0-20)",
+    "sqs_visibility_seconds": "how long a received message stays hidden from other consumers",
+    "notifications_from_stream": "push NOTIFICATION# rows to their users from the table's stream",
+    "stream_poll_ms": "pause between GetRecords calls on a shard that had nothing new",
 }
 
 
@@ -90,19 +104,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per setting; defaults stay None so the environment can fill them."""
     for spec in fields(Settings):
         kind = _field_type(spec.name)
+        # A bare boolean flag means true; ``--flag false`` is accepted too.
+        extra: dict[str, Any] = {"nargs": "?", "const": True} if kind is _bool_value else {}
         parser.add_argument(
             _flag(spec.name),
             dest=spec.name,
             type=kind,
             default=None,
             help=f"{_HELP[spec.name]} (env AP_{spec.name.upper()})",
+            **extra,
         )
 
 
-def _field_type(name: str) -> type[Any]:
+def _bool_value(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{raw!r} is not true or false")
+
+
+def _field_type(name: str) -> Any:
     default = getattr(Settings(), name)
     if name == "jwks_file":
         return Path
+    if isinstance(default, bool):
+        return _bool_value
     if isinstance(default, bool | str) or default is None:
         return str
     return type(default)
@@ -143,6 +171,19 @@ def _validate(settings: Settings) -> None:
         raise SystemExit("--cognito-issuer and --cognito-client-id go together")
     if settings.presence_debounce_ms < 0:
         raise SystemExit("--presence-debounce-ms must not be negative")
+    if not 0 <= settings.sqs_wait_seconds <= 20:
+        raise SystemExit("--sqs-wait-seconds must be from 0 to 20 (SQS's own limit)")
+    if settings.sqs_pollers < 1:
+        raise SystemExit("--sqs-pollers must be at least 1")
+    if not 1 <= settings.sqs_visibility_seconds <= 43_200:
+        raise SystemExit("--sqs-visibility-seconds must be from 1 to 43200 (SQS's own limit)")
+    if settings.notifications_from_stream and settings.store != "dynamodb":
+        raise SystemExit(
+            "--notifications-from-stream reads the table's stream and keeps its checkpoints "
+            "in the table: add --store dynamodb (or --dynamodb-endpoint)"
+        )
+    if settings.stream_poll_ms < 200:
+        raise SystemExit("--stream-poll-ms must be at least 200 (5 GetRecords/s per shard)")
 
 
 def parse(argv: Sequence[str] | None = None) -> Settings:

@@ -46,6 +46,7 @@ from server.presence import (
     presence_resyncs,
 )
 from server.registry import ConnectionRegistry
+from server.services import Service
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class Node:
         self._reports_since: float | None = None  # when the oldest unreported change happened
         self._deltas: asyncio.Queue[PresenceDelta | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self.services: list[Service] = []  # started after the node, stopped before it
         self.ready = False
         REGISTRY.gauge("ap_connections", "Open WebSocket sessions", lambda: len(self.sessions))
         REGISTRY.gauge("ap_users", "Distinct users on this node", self._user_count)
@@ -121,11 +123,18 @@ class Node:
             asyncio.create_task(self._delta_loop(), name="presence-deltas"),
             asyncio.create_task(self._ttl_loop(), name="ttl-refresh"),
         ]
+        for service in self.services:
+            await service.start()
         self.ready = True
 
     async def stop(self) -> None:
         """Close every session, then delete this node's rows."""
         self.ready = False
+        for service in reversed(self.services):
+            try:
+                await service.stop()
+            except Exception:
+                log.exception("stopping %s failed", type(service).__name__)
         sessions = list(self.sessions)
         for session in sessions:
             session.close(CloseCode.SERVICE_RESTART, "server restarting")
@@ -313,16 +322,22 @@ class Node:
 
     # --- events -------------------------------------------------------------
 
-    async def publish(self, message: Broadcast) -> None:
-        """The one door into the cluster for game events and admin broadcasts."""
-        events_published.inc()
+    async def publish(self, message: Broadcast, *, require_cluster: bool = False) -> None:
+        """The one door into the cluster for game events and admin broadcasts.
+
+        With ``require_cluster`` the event must reach every node or this raises
+        :class:`~server.bus.base.BusDown` (the queue bridge then keeps the message);
+        otherwise a disconnected bus delivers it to this node's clients only.
+        """
+        fallback = not require_cluster
         data = encode_envelope(message)
         event = message.event
         if isinstance(event, GameEvent):
-            await self.bus.publish(game_topic(event.key), data)
-            await self.bus.publish(ALL_GAMES, data)
+            await self.bus.publish(game_topic(event.key), data, local_fallback=fallback)
+            await self.bus.publish(ALL_GAMES, data, local_fallback=fallback)
         else:
-            await self.bus.publish(ADMIN, data)
+            await self.bus.publish(ADMIN, data, local_fallback=fallback)
+        events_published.inc()
 
     def _on_bus_message(self, topic: str, data: bytes) -> None:
         events_received.inc()

@@ -32,7 +32,8 @@ class MemoryBus:
         await self.unsubscribe(list(self._topics))
         self._handler = None
 
-    async def publish(self, topic: str, data: bytes) -> None:
+    async def publish(self, topic: str, data: bytes, *, local_fallback: bool = True) -> None:
+        # One process: every node is reachable, there is nothing to fall back from.
         loop = asyncio.get_running_loop()
         for bus in self._hub.subscribers.get(topic, ()):
             # Deliver on a later loop turn, in order, as a network bus would.
