@@ -8,6 +8,7 @@ import gc
 import logging
 import resource
 import signal
+import uuid
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -31,6 +32,7 @@ from server.config import Settings
 from server.connection import Session
 from server.dedup import Dedup, MemoryDedup, RedisDedup
 from server.ingress.http import build_app
+from server.lease import Lease, MemoryLease, RedisLease
 from server.metrics import REGISTRY
 from server.node import Node
 from server.presence import MemoryPresenceBackend, PresenceBackend
@@ -114,6 +116,33 @@ def add_bridges(node: Node, settings: Settings) -> None:
                 visibility_seconds=settings.sqs_visibility_seconds,
             )
         )
+    if settings.notifications_from_stream:
+        from server.services.notifications import NotificationPush
+
+        node.services.append(
+            NotificationPush(
+                node,
+                node.store,
+                _lease(settings, "ap:{notifications}:leader"),
+                _dedup(settings),
+                table=settings.table,
+                region=settings.region,
+                endpoint_url=settings.dynamodb_endpoint,
+                poll_seconds=settings.stream_poll_ms / 1000,
+            )
+        )
+
+
+def _lease(settings: Settings, key: str) -> Lease:
+    """One holder in the cluster (Redis); embedded, the one process always holds it."""
+    if settings.redis_url is not None:
+        from server.bus.redis_bus import make_client
+        from server.cluster import lease_ms_for
+
+        token = f"{settings.node_id}/{uuid.uuid4().hex}"
+        client = make_client(settings.redis_url, retries=1)
+        return RedisLease(client, key, token, lease_ms_for(settings.node_heartbeat_ms))
+    return MemoryLease()
 
 
 def _select_subprotocol(

@@ -6,7 +6,12 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from server.store.base import ConnectionRecord
+from server.store.base import (
+    ConnectionRecord,
+    Fenced,
+    ShardCheckpoint,
+    StreamReaderState,
+)
 
 
 class MemoryStore:
@@ -15,6 +20,10 @@ class MemoryStore:
     def __init__(self) -> None:
         self._connections: dict[str, ConnectionRecord] = {}
         self._presence_seq = 0
+        self._reader: tuple[str, int, int] | None = None  # stream arn, started at, fence
+        self._checkpoints: dict[
+            str, tuple[str, ShardCheckpoint, int]
+        ] = {}  # shard -> (arn, .., fence)
 
     async def start(self) -> None:
         return None
@@ -66,3 +75,25 @@ class MemoryStore:
 
     async def current_presence_seq(self) -> int:
         return self._presence_seq
+
+    async def take_stream_fence(self, stream_arn: str, now_ms: int) -> StreamReaderState:
+        fence = (self._reader[2] if self._reader is not None else 0) + 1
+        fresh = self._reader is None or self._reader[0] != stream_arn
+        started = now_ms if fresh or self._reader is None else self._reader[1]
+        self._reader = (stream_arn, started, fence)
+        return StreamReaderState(fence=fence, started_at_ms=started, fresh=fresh)
+
+    async def stream_checkpoints(self, stream_arn: str) -> dict[str, ShardCheckpoint]:
+        return {
+            shard: checkpoint
+            for shard, (arn, checkpoint, _) in self._checkpoints.items()
+            if arn == stream_arn
+        }
+
+    async def save_stream_checkpoint(
+        self, stream_arn: str, checkpoint: ShardCheckpoint, fence: int
+    ) -> None:
+        held = self._checkpoints.get(checkpoint.shard_id)
+        if held is not None and held[2] > fence:
+            raise Fenced(f"shard {checkpoint.shard_id} was checkpointed with fence {held[2]}")
+        self._checkpoints[checkpoint.shard_id] = (stream_arn, checkpoint, fence)
