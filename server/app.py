@@ -28,6 +28,7 @@ from protocol.parse import parse_client_frame
 from server.auth import Authenticator, CognitoVerifier, DevVerifier
 from server.bus.base import Bus
 from server.bus.memory import MemoryBus
+from server.bus.streams import MemoryStreams
 from server.config import Settings
 from server.connection import Session
 from server.dedup import Dedup, MemoryDedup, RedisDedup
@@ -72,20 +73,25 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
     backend: PresenceBackend
     if settings.redis_url is not None:
         from server.bus.redis_bus import RedisBus
+        from server.bus.redis_streams import RedisStreams
         from server.cluster import RedisPresenceBackend
 
-        redis_bus = RedisBus(settings.redis_url)
+        redis_bus = RedisBus(settings.redis_url, name=settings.node_id)
         cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store)
-        node = Node(settings, store, redis_bus, cluster, build_authenticator(settings))
+        streams = RedisStreams(settings.redis_url, settings.stream_limits)
+        node = Node(settings, store, redis_bus, cluster, build_authenticator(settings), streams)
         # After a Redis reconnect the node reloads presence and re-snapshots its
         # clients; if the cluster presumed it dead, it writes its rows again.
         redis_bus.on_reconnect(node.resync)
+        # Events published meanwhile are in the streams' history: fill the holes.
+        redis_bus.on_reconnect(node.check_streams)
         cluster.on_presumed_dead(node.rewrite_rows)
     else:
         memory_bus = MemoryBus()
         bus = memory_bus
         backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
-        node = Node(settings, store, bus, backend, build_authenticator(settings))
+        memory_streams = MemoryStreams(memory_bus, settings.stream_limits)
+        node = Node(settings, store, bus, backend, build_authenticator(settings), memory_streams)
     add_bridges(node, settings)
     return node
 
@@ -186,7 +192,7 @@ class Handler:
             bad_frames.inc()
             session.send_error(ErrorCode.NOT_SUBSCRIBED, "Not subscribed", self.limit)
         elif isinstance(action, WatchGames):
-            self.node.watch(session, action.games)
+            await self.node.watch(session, action.games, action.since)
         elif isinstance(action, SyncPresence):
             self.node.sync_presence(session)
 

@@ -104,7 +104,8 @@ async def test_todays_exact_body_reaches_the_watchers_and_exclude_holds(
     }
     await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
     event = await opponent.next_message(lambda m: m.get("verb") == "game", within=10)
-    assert event == {"verb": "game", "payload": {"meta": "chess", "id": "g1"}}
+    assert (event["verb"], event["payload"]) == ("game", {"meta": "chess", "id": "g1"})
+    assert (event["stream"], event["offset"]) == ("game:chess#g1", 1)
     await legacy.next_message(lambda m: m.get("verb") == "game", within=10)
     # invokePie's comment: exclude [""] excludes nobody real.
     pie = {"verb": "game", "payload": {"meta": "chess", "id": "g1"}, "exclude": [""]}
