@@ -207,3 +207,18 @@ async def test_sqs_down_then_back_loses_nothing(dynamodb_endpoint: str, queue: s
 
 async def test_without_the_flag_nothing_polls_aws(server: RunningServer) -> None:
     assert server.node.services == []
+
+
+async def test_a_user_event_in_the_queue_reaches_every_tab_of_its_user(
+    bridged: RunningServer, dynamodb_endpoint: str, queue: str
+) -> None:
+    tabs = [await bridged.subscribed("bot1") for _ in range(2)]
+    other = await bridged.subscribed("human")
+    body = {"verb": "yourTurn", "payload": {"meta": "chess", "id": "g1"}, "users": ["bot1"]}
+    await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+    for tab in tabs:
+        frame = await tab.next_message(lambda m: m.get("verb") == "yourTurn", within=10)
+        assert frame["payload"] == {"meta": "chess", "id": "g1"}
+        assert (frame["stream"], frame["offset"]) == ("user:bot1", 1)
+    await other.barrier()
+    assert other.of_verb("yourTurn") == []
