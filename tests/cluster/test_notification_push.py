@@ -33,7 +33,10 @@ async def reader_node(cluster: Cluster) -> str | None:
         token = await client.get(LEADER_KEY)
     finally:
         await client.aclose()
-    return None if token is None else token.decode().split("/", 1)[0]
+    if token is None:
+        return None
+    text = token.decode() if isinstance(token, bytes) else str(token)
+    return text.split("/", 1)[0]
 
 
 @pytest.fixture
