@@ -34,6 +34,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "presence": {"connections": 5000, "duration": 15.0},
     "storm": {"connections": 10000},
     "cluster": {"connections": 2000, "games": 200, "games_per_conn": 10, "bots": 0.1},
+    "bridge": {"connections": 2000, "duration": 20.0, "rate": 2000.0},
 }
 
 HELP = {
@@ -43,6 +44,7 @@ HELP = {
     "storm": "K clients connect at once: time until all hold a snapshot, failed connects",
     "cluster": "fanout and presence over several nodes, Redis and DynamoDB (moto)",
     "baseline": "the fanout measurement of the minimal websockets.broadcast server alone",
+    "bridge": "SQS queue (moto) -> two bridging nodes -> watchers, then one node killed",
 }
 
 
@@ -119,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("presence", "cluster"):
             parents.append(pres)
         sub = commands.add_parser(name, parents=parents, help=HELP[name], description=HELP[name])
+        if name == "bridge":
+            sub.add_argument("--rate", type=float, help="messages/s into the queue (2000)")
         if name == "storm":
             sub.add_argument("--storm-timeout", type=float, default=60.0)
         if name == "cluster":
@@ -265,7 +269,9 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
     servers: dict[str, Any] = result["figures"]["servers"]
     for name, figs in servers.items():
-        if name == "cluster":
+        if name == "bridge":
+            rows += _bridge_rows(figs)
+        elif name == "cluster":
             for part in ("fanout", "presence"):
                 rows += _server_rows(f"cluster ({figs['nodes']} nodes) {part}", figs[part])
         else:
@@ -348,6 +354,38 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
         )
         add("server CPU", figs["server_cores"], "cores")
         add("generator CPU", figs["generator_cores"], "cores")
+    return rows
+
+
+def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
+    rows: list[tuple[str, str, str]] = []
+    for phase in ("steady", "kill"):
+        p = figs[phase]
+        name = f"bridge {phase}"
+        lat = p["latency"]
+        rows += [
+            (name, "sent / asked rate", f"{_fmt(p['send_rate'])} / {_fmt(p['rate_asked'])} msg/s"),
+            (name, "messages sent (failed)", f"{_fmt(p['sent'])} ({_fmt(p['send_failed'])})"),
+            (
+                name,
+                "queue -> socket p50/p90/p99/max",
+                f"{_fmt(lat['p50_ms'])} / {_fmt(lat['p90_ms'])} / {_fmt(lat['p99_ms'])}"
+                f" / {_fmt(lat['max_ms'])} ms",
+            ),
+            (
+                name,
+                "deliveries (watchers counted)",
+                f"{_fmt(p['deliveries'])} ({p['watchers_counted']})",
+            ),
+            (name, "lost / duplicated", f"{p['lost']} / {p['dup']}"),
+            (
+                name,
+                "CPU cores (moto, redis, nodes)",
+                ", ".join(f"{k} {_fmt(v)}" for k, v in p["cpu_cores"].items()),
+            ),
+        ]
+        if p.get("killed"):
+            rows.append((name, "killed", str(p["killed"])))
     return rows
 
 

@@ -790,6 +790,13 @@ async def cluster(run: Run) -> Result:
     }
 
 
+async def bridge(run: Run) -> Result:
+    """Today's broadcast queue (moto SQS) through two bridging nodes to sockets."""
+    from loadtest.bridge import bridge as run_bridge
+
+    return await run_bridge(run)
+
+
 SCENARIOS = {
     "idle": idle,
     "fanout": fanout,
@@ -797,4 +804,5 @@ SCENARIOS = {
     "storm": storm,
     "cluster": cluster,
     "baseline": baseline,
+    "bridge": bridge,
 }
