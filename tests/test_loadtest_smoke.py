@@ -49,6 +49,7 @@ SCENARIOS: dict[str, list[str]] = {
     "storm": ["-n", "20"],
     "presence": ["-n", "20", *PRESENCE],
     "cluster": [*FANOUT, *PRESENCE, "--no-baseline"],
+    "bridge": ["-n", "20", "--rate", "40", "--duration", "3"],
 }
 WITH_REPORT = {"fanout", "presence", "storm"}
 
@@ -181,3 +182,18 @@ def test_cluster(outcomes: dict[str, Outcome]) -> None:
     assert cluster["nodes"] == 2
     _check_fanout(cluster["fanout"])
     _check_presence(cluster["presence"])
+
+
+def test_bridge(outcomes: dict[str, Outcome]) -> None:
+    bridge = _figures(outcomes, "bridge")["bridge"]
+    assert bridge["watchers"] == 20
+    for phase in ("steady", "kill"):
+        p = bridge[phase]
+        assert p["sent"] == 120 and p["send_failed"] == 0
+        assert p["lost"] == 0 and p["dup"] == 0, p
+        assert p["deliveries"] > 0
+        assert _finite(p["latency"]["p99_ms"])
+        assert p["cpu_s"]["moto"] > 0
+    assert bridge["steady"]["watchers_counted"] == 20
+    assert bridge["kill"]["watchers_counted"] == 10 and bridge["kill"]["killed"] == "node-1"
+    assert "bridge kill" in outcomes["bridge"].output
