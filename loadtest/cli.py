@@ -368,6 +368,11 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             (name, "messages sent (failed)", f"{_fmt(p['sent'])} ({_fmt(p['send_failed'])})"),
             (
                 name,
+                "SendMessageBatch p50/p99",
+                f"{_fmt(p['send_call_ms']['p50'])} / {_fmt(p['send_call_ms']['p99'])} ms",
+            ),
+            (
+                name,
                 "queue -> socket p50/p90/p99/max",
                 f"{_fmt(lat['p50_ms'])} / {_fmt(lat['p90_ms'])} / {_fmt(lat['p99_ms'])}"
                 f" / {_fmt(lat['max_ms'])} ms",

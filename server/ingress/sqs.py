@@ -288,7 +288,10 @@ class SqsBridge:
                 done.append(message)
         keys = [DEDUP_PREFIX + message.message_id for message, _ in events]
         try:
-            claims = await self._dedup.claim(keys, self._token, self._visibility)
+            # Twice the visibility timeout: if publishing stalls past it and SQS hands
+            # the message to another node, that node finds the claim and waits, rather
+            # than publishing it a second time.
+            claims = await self._dedup.claim(keys, self._token, 2 * self._visibility)
         except Exception as exc:
             errors.inc()
             log.warning("queue bridge: dedup store unreachable: %s", exc)
