@@ -35,6 +35,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "storm": {"connections": 10000},
     "cluster": {"connections": 2000, "games": 200, "games_per_conn": 10, "bots": 0.1},
     "bridge": {"connections": 2000, "duration": 20.0, "rate": 2000.0},
+    "streammem": {"connections": 10000},
 }
 
 HELP = {
@@ -45,6 +46,7 @@ HELP = {
     "cluster": "fanout and presence over several nodes, Redis and DynamoDB (moto)",
     "baseline": "the fanout measurement of the minimal websockets.broadcast server alone",
     "bridge": "SQS queue (moto) -> two bridging nodes -> watchers, then one node killed",
+    "streammem": "Redis memory per stream (N streams through the Lua script), idle and full",
 }
 
 
@@ -285,6 +287,16 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
     def add(label: str, value: Any, unit: str = "") -> None:
         rows.append((name, label, f"{_fmt(value)} {unit}".strip()))
 
+    if "bytes_per_stream_full_history" in figs:
+        add("streams", figs["streams"])
+        add("Redis bytes per stream, 1 event", figs["bytes_per_stream_one_event"], "B")
+        add(
+            f"Redis bytes per stream, {figs['history_size']} events (cap)",
+            figs["bytes_per_stream_full_history"],
+            "B",
+        )
+        add("Redis bytes per stream, meta only", figs["bytes_per_stream_meta_only"], "B")
+        add("growth past the cap, per stream", figs["growth_past_cap_bytes_per_stream"], "B")
     if "rss_per_connection_kib" in figs:
         add("RSS per connection", figs["rss_per_connection_kib"], "KiB")
     if "redis_cpu_s" in figs:

@@ -34,6 +34,7 @@ from loadtest.runner import (
 )
 from loadtest.servers import Proc, create_table, start_moto, start_ours, start_redis
 from loadtest.stats import Histogram, ratio
+from loadtest.streammem import streammem
 from loadtest.targets import Target, check
 
 Result = dict[str, Any]
@@ -805,4 +806,5 @@ SCENARIOS = {
     "cluster": cluster,
     "baseline": baseline,
     "bridge": bridge,
+    "streammem": streammem,
 }

@@ -27,6 +27,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from protocol.codec import Frame
@@ -113,6 +115,10 @@ bus_failures = REGISTRY.counter(
 )
 
 
+REPLAY_FRAME_CACHE = 4096
+"""Replayed frames kept for other clients recovering the same events."""
+
+
 class Node:
     def __init__(
         self,
@@ -145,7 +151,9 @@ class Node:
         self.cursors: dict[str, StreamCursor] = {}
         # Streams whose hole is being filled from history -> events that arrived meanwhile.
         self._repairing: dict[str, list[tuple[PositionedData, Broadcast]]] = {}
-        self._reads: dict[tuple[str, int], asyncio.Future[HistoryRead[bytes]]] = {}
+        self._reads: dict[tuple[str, int], asyncio.Future[HistoryRead[Broadcast]]] = {}
+        # Replayed frames, shared by every client recovering the same events.
+        self._replay_frames: OrderedDict[tuple[str, str, int, bool], Frame] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
         self._outbox_limit = settings.outbox_limit_bytes
         self._topics: CoalescingFlusher[str, bool] = CoalescingFlusher(
@@ -568,7 +576,7 @@ class Node:
     async def _repair(self, stream: str) -> None:
         """Fill a hole from history, then deliver what arrived meanwhile, in order."""
         cursor = self.cursors.get(stream)
-        history: HistoryRead[bytes] | None = None
+        history: HistoryRead[Broadcast] | None = None
         if cursor is not None:
             try:
                 history = await self._read(stream, cursor.offset)
@@ -579,37 +587,50 @@ class Node:
         if cursor is None:
             return  # nobody here holds the stream any more
         if history is not None:
-            if history.epoch != cursor.epoch:
+            entries = history.entries
+            if history.epoch != cursor.epoch or (entries and entries[0][0] > cursor.offset + 1):
+                # The hole is gone from history (or the stream has a new epoch):
+                # the watchers must refetch, from just before what history still
+                # holds, so that everyone still hears every event it has.
+                base = entries[0][0] - 1 if entries else history.top
+                self._lost(stream, history.epoch, base)
+                cursor.advance(history.epoch, base)
+            elif not entries and cursor.offset < history.top:
                 self._lost(stream, history.epoch, history.top)
                 cursor.advance(history.epoch, history.top)
-            else:
-                for offset, data in history.entries:
-                    if offset != cursor.offset + 1:
-                        break
-                    try:
-                        envelope = decode_envelope(data)
-                    except EnvelopeError:
-                        break
-                    if isinstance(envelope, Broadcast):
-                        stream_repaired.inc()
-                        cursor.advance(history.epoch, offset)
-                        self._deliver(stream, history.epoch, offset, envelope)
-                if cursor.offset < history.top:
-                    # History no longer holds the hole: skip to the top.
-                    self._lost(stream, history.epoch, history.top)
-                    cursor.advance(history.epoch, history.top)
-        for positioned, message in sorted(pending, key=lambda item: item[0].offset):
+            for offset, envelope in entries:
+                if offset == cursor.offset + 1:
+                    stream_repaired.inc()
+                    cursor.advance(history.epoch, offset)
+                    self._deliver(stream, history.epoch, offset, envelope)
+        # Arrival order is stream order (Redis publishes a stream's events in order).
+        for positioned, message in pending:
             self._step(stream, positioned, message, repairing=True)
 
-    async def _read(self, stream: str, after: int) -> HistoryRead[bytes]:
-        """Read a stream's history; concurrent reads of the same range share one."""
+    async def _read(self, stream: str, after: int) -> HistoryRead[Broadcast]:
+        """Read and decode a stream's history; concurrent reads of the same range
+        (a reconnect storm) share one round trip and one decoding."""
         key = (stream, after)
         shared = self._reads.get(key)
         if shared is None:
-            shared = asyncio.ensure_future(self.streams.read(stream, after))
+            shared = asyncio.ensure_future(self._read_decoded(stream, after))
             self._reads[key] = shared
-            shared.add_done_callback(lambda _: self._reads.pop(key, None))
+            shared.add_done_callback(self._read_done(key))
         return await asyncio.shield(shared)
+
+    def _read_done(
+        self, key: tuple[str, int]
+    ) -> Callable[[asyncio.Future[HistoryRead[Broadcast]]], None]:
+        def done(future: asyncio.Future[HistoryRead[Broadcast]]) -> None:
+            self._reads.pop(key, None)
+            if not future.cancelled():
+                future.exception()  # retrieved here: every waiter may have gone
+
+        return done
+
+    async def _read_decoded(self, stream: str, after: int) -> HistoryRead[Broadcast]:
+        history = await self.streams.read(stream, after)
+        return HistoryRead(history.epoch, history.top, tuple(_decode_entries(history.entries)))
 
     def _recipients(self, stream: str) -> set[Session]:
         game = stream_game(stream)
@@ -641,7 +662,9 @@ class Node:
         plain = recipients - speakers
         if plain:
             send_frame(self._not_excluded(plain, message.exclude), frame, self._outbox_limit)
-        skip: Frame | None = None
+        sends: list[Session] = []
+        skips: list[Session] = []
+        exclude = message.exclude
         for session in speakers:
             buffer = session.recovering.get(stream)
             if buffer is not None:
@@ -653,12 +676,11 @@ class Node:
             if last is not None and last[0] == epoch and offset <= last[1]:
                 continue  # already sent by its replay
             positions[stream] = (epoch, offset)
-            if session.user_id in message.exclude:
-                if skip is None:
-                    skip = Frame(Skip(stream, epoch, offset))
-                session.send(skip, self._outbox_limit)
-            else:
-                session.send(frame, self._outbox_limit)
+            (skips if session.user_id in exclude else sends).append(session)
+        if sends:
+            send_frame(sends, frame, self._outbox_limit)
+        if skips:
+            send_frame(skips, Frame(Skip(stream, epoch, offset)), self._outbox_limit)
 
     def _deliver_unpositioned(self, stream: str, message: Broadcast) -> None:
         event = message.event
@@ -714,14 +736,19 @@ class Node:
                     "or name your own user stream",
                     self._outbox_limit,
                 )
-        if not wanted:
-            return
-        # Hear the streams before reading their history: then history and live
-        # together cover everything (docs/protocol.md, "Recovery").
+        # Hear every stream of the session before answering, and before reading
+        # any history: then history and live together cover everything
+        # (docs/protocol.md, "Recovery"), and a stream speaker's next request is
+        # handled only once its live streams are in place.
+        assert session.user_id is not None
+        streams = {game_stream(key) for key in session.watching}
+        streams.add(user_stream(session.user_id))
         try:
-            await self.bus.subscribe([stream for stream, _ in wanted])
+            await self.bus.subscribe(sorted(streams))
         except Exception as exc:
             log.warning("subscribe before recovery failed: %s", exc)
+        if not wanted:
+            return
         reads = await asyncio.gather(
             *(self._read(stream, position.offset) for stream, position in wanted),
             return_exceptions=True,
@@ -737,7 +764,7 @@ class Node:
         session: Session,
         stream: str,
         since: Position,
-        history: HistoryRead[bytes] | BaseException,
+        history: HistoryRead[Broadcast] | BaseException,
         buffered: list[tuple[str, int, Broadcast]],
     ) -> None:
         recoveries.inc()
@@ -751,8 +778,7 @@ class Node:
             positions[stream] = (epoch, top)
             self._send_buffered(session, stream, epoch, top, buffered)
             return
-        decoded = HistoryRead(history.epoch, history.top, tuple(_decode_entries(history.entries)))
-        plan = merge_recovery(since, decoded, buffered)
+        plan = merge_recovery(since, history, buffered)
         for offset, message in plan.events:
             self._send_one(session, stream, plan.epoch, offset, message)
         if not plan.recovered:
@@ -781,12 +807,19 @@ class Node:
     ) -> None:
         assert session.positions is not None
         session.positions[stream] = (epoch, offset)
-        if session.user_id in message.exclude:
-            session.send(Frame(Skip(stream, epoch, offset)), self._outbox_limit)
-            return
-        event = message.event
-        assert isinstance(event, GameEvent | UserEvent)
-        session.send(Frame(Positioned(event, stream, epoch, offset)), self._outbox_limit)
+        skip = session.user_id in message.exclude
+        key = (stream, epoch, offset, skip)
+        frame = self._replay_frames.get(key)
+        if frame is None:
+            event = message.event
+            assert isinstance(event, GameEvent | UserEvent)
+            frame = Frame(
+                Skip(stream, epoch, offset) if skip else Positioned(event, stream, epoch, offset)
+            )
+            self._replay_frames[key] = frame
+            if len(self._replay_frames) > REPLAY_FRAME_CACHE:
+                self._replay_frames.popitem(last=False)
+        session.send(frame, self._outbox_limit)
 
     async def _delta_loop(self) -> None:
         while True:

@@ -78,6 +78,9 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
         (["--notifications-from-stream"], {}, "--store dynamodb"),
         ([], {"AP_NOTIFICATIONS_FROM_STREAM": "maybe"}, "AP_NOTIFICATIONS_FROM_STREAM"),
         (["--dynamodb-endpoint", "http://x", "--stream-poll-ms", "50"], {}, "at least 200"),
+        (["--history-size", "0"], {}, "history-size"),
+        (["--history-ttl", "0"], {}, "history-ttl"),
+        (["--history-ttl", "100", "--stream-meta-ttl", "50"], {}, "stream-meta-ttl"),
     ],
 )
 def test_bad_settings_are_refused_clearly(
@@ -85,3 +88,9 @@ def test_bad_settings_are_refused_clearly(
 ) -> None:
     with pytest.raises(SystemExit, match=message):
         parse(argv, environ)
+
+
+def test_stream_limits_come_from_the_settings() -> None:
+    settings = parse(["--history-size", "7"], {"AP_HISTORY_TTL": "60"})
+    limits = settings.stream_limits
+    assert (limits.history_size, limits.history_ttl, limits.meta_ttl) == (7, 60.0, 86400.0)

@@ -50,6 +50,7 @@ SCENARIOS: dict[str, list[str]] = {
     "presence": ["-n", "20", *PRESENCE],
     "cluster": [*FANOUT, *PRESENCE, "--no-baseline"],
     "bridge": ["-n", "20", "--rate", "40", "--duration", "3"],
+    "streammem": ["-n", "50"],
 }
 WITH_REPORT = {"fanout", "presence", "storm"}
 
@@ -197,3 +198,13 @@ def test_bridge(outcomes: dict[str, Outcome]) -> None:
     assert bridge["steady"]["watchers_counted"] == 20
     assert bridge["kill"]["watchers_counted"] == 10 and bridge["kill"]["killed"] == "node-1"
     assert "bridge kill" in outcomes["bridge"].output
+
+
+def test_streammem(outcomes: dict[str, Outcome]) -> None:
+    figs = _figures(outcomes, "streammem")["redis"]
+    assert figs["streams"] == 50
+    # The history is capped: exactly history_size kept, and no growth past the cap.
+    assert figs["kept_after_cap"] == figs["history_size"]
+    assert figs["top_after_cap"] == figs["history_size"] + 1
+    assert figs["growth_past_cap_bytes_per_stream"] <= 0.05 * figs["bytes_per_stream_full_history"]
+    assert 0 < figs["bytes_per_stream_meta_only"] < figs["bytes_per_stream_full_history"]

@@ -36,7 +36,11 @@ def assert_exact(client: Client, first: int, last: int, stream: str = CHESS) -> 
 
 
 async def watcher_on(cluster: Cluster, node: str, user: str) -> Client:
-    return await cluster.client(node, user, games=GAMES, since={})
+    """A stream speaker watching chess#g1; once its ``since`` is answered (the
+    barrier), its node hears the game's live events."""
+    client = await cluster.client(node, user, games=GAMES, since={})
+    await client.barrier()
+    return client
 
 
 async def test_recovery_on_another_node_while_events_flow(cluster: Cluster) -> None:
