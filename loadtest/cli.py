@@ -397,6 +397,16 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             (name, "lost / duplicated", f"{p['lost']} / {p['dup']}"),
             (
                 name,
+                "not yet delivered (still queued)",
+                f"{p['undelivered']} ({p['queue_left']} in the queue at the end)",
+            ),
+            (
+                name,
+                "CPU per message: nodes / moto",
+                f"{_fmt(p['node_cpu_ms_per_message'])} / {_fmt(p['moto_cpu_ms_per_message'])} ms",
+            ),
+            (
+                name,
                 "CPU cores (moto, redis, nodes)",
                 ", ".join(f"{k} {_fmt(v)}" for k, v in p["cpu_cores"].items()),
             ),
