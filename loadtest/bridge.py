@@ -350,8 +350,8 @@ async def bridge(run: Run) -> Result:
         ),
         check(lost_ok, steady["lost"], 0, note(steady)),
         check(dup_ok, steady["dup"], 0, note(steady)),
-        check(lost_ok, kill["lost"], 0, "one node killed; " + note(kill)),
-        check(dup_ok, kill["dup"], 0, "one node killed; " + note(kill)),
+        check(lost_ok, kill["lost"], 0, "; ".join(filter(None, ["one node killed", note(kill)]))),
+        check(dup_ok, kill["dup"], 0, "; ".join(filter(None, ["one node killed", note(kill)]))),
     ]
     return {
         "servers": {"bridge": {"watchers": watchers_count, "games": games, **phases}},

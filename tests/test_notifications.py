@@ -31,14 +31,13 @@ def numbers(client: Client) -> list[int]:
     return [m["payload"]["body"]["n"] for m in notifications(client)]
 
 
-async def reading(running: RunningServer, within: float = 10) -> None:
+async def reading(running: RunningServer, within: float = 20) -> None:
     """Wait until the node reads the stream (its LATEST iterators taken)."""
     reader = running.node.services[-1].reader  # type: ignore[attr-defined]
     deadline = time.monotonic() + within
-    while not reader.reading:
+    while not reader.positioned:
         assert time.monotonic() < deadline, "the stream reader did not start"
         await asyncio.sleep(0.05)
-    await asyncio.sleep(0.5)
 
 
 def settings_for(endpoint: str, table: str, **extra: Any) -> Settings:

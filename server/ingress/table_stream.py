@@ -217,6 +217,8 @@ class TableStreamReader:
         self._reader: asyncio.Task[None] | None = None
         self._checkpoints: dict[str, ShardCheckpoint] = {}
         self.reading = False
+        self.positioned: set[str] = set()
+        """Shards this term holds an iterator on: records written from now on are read."""
         REGISTRY.gauge(
             "ap_stream_reader_active", "1 while this node reads the table's stream", self._active
         )
@@ -368,6 +370,7 @@ class TableStreamReader:
                             await asyncio.sleep(_backoff(1))
         finally:
             self.reading = False
+            self.positioned.clear()
             for task in running.values():
                 task.cancel()
             for task in running.values():
@@ -420,6 +423,8 @@ class TableStreamReader:
         self, arn: str, shard_id: str, position: Position, state: StreamReaderState
     ) -> None:
         iterator: str | None = await self._iterator(arn, shard_id, position)
+        self.positioned.add(shard_id)
+        log.info("stream reader: reading shard %s from %s", shard_id, position.start.value)
         last = position.sequence_number
         unsaved_since: float | None = None
         cutoff_ms = (state.started_at_ms // 1000) * 1000  # creation times are whole seconds
