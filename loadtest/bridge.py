@@ -274,6 +274,8 @@ async def bridge(run: Run) -> Result:
     table = f"loadtest-{uuid.uuid4().hex[:8]}"
     await create_table(endpoint, table)
     queue_url = await _create_queue(endpoint)
+    # Moto alone first, with no consumer: how much of the rate can the queue take here?
+    moto_alone = await _moto_alone(run, endpoint, rate, min(5.0, options.duration))
     nodes: list[Proc] = []
     for index in range(2):
         run.progress.log(f"starting bridge node-{index + 1}")
@@ -354,8 +356,34 @@ async def bridge(run: Run) -> Result:
         check(dup_ok, kill["dup"], 0, "; ".join(filter(None, ["one node killed", note(kill)]))),
     ]
     return {
-        "servers": {"bridge": {"watchers": watchers_count, "games": games, **phases}},
+        "servers": {
+            "bridge": {
+                "watchers": watchers_count,
+                "games": games,
+                "moto_alone": moto_alone,
+                **phases,
+            }
+        },
         "targets": targets,
+    }
+
+
+async def _moto_alone(run: Run, endpoint: str, rate: float, duration: float) -> Result:
+    """The sender against a queue nobody reads: the queue's own capacity on this machine."""
+    queue_url = await _create_queue(endpoint)
+    run.progress.log(f"moto alone: {rate:g} msg/s for {duration:g} s into a queue nobody reads")
+    parent, child = _ctx().Pipe()
+    sender = _ctx().Process(
+        target=_sender_main, args=(child, endpoint, queue_url, 1, rate, duration, 0)
+    )
+    sender.start()
+    sent = await _recv(parent, duration * 2 + 60)
+    sender.join(timeout=10)
+    return {
+        "rate_asked": rate,
+        "send_rate": round(sent["sent"] / max(1e-9, sent["wall_s"]), 1),
+        "sent": sent["sent"],
+        "send_call_ms": sent["send_call_ms"],
     }
 
 

@@ -370,7 +370,19 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
-    rows: list[tuple[str, str, str]] = []
+    alone = figs["moto_alone"]
+    rows: list[tuple[str, str, str]] = [
+        (
+            "moto alone",
+            "sent / asked rate (no consumer)",
+            f"{_fmt(alone['send_rate'])} / {_fmt(alone['rate_asked'])} msg/s",
+        ),
+        (
+            "moto alone",
+            "SendMessageBatch p50/p99",
+            f"{_fmt(alone['send_call_ms']['p50'])} / {_fmt(alone['send_call_ms']['p99'])} ms",
+        ),
+    ]
     for phase in ("steady", "kill"):
         p = figs[phase]
         name = f"bridge {phase}"

@@ -188,6 +188,7 @@ def test_cluster(outcomes: dict[str, Outcome]) -> None:
 def test_bridge(outcomes: dict[str, Outcome]) -> None:
     bridge = _figures(outcomes, "bridge")["bridge"]
     assert bridge["watchers"] == 20
+    assert bridge["moto_alone"]["sent"] > 0
     for phase in ("steady", "kill"):
         p = bridge[phase]
         assert 0 < p["sent"] <= 120 and p["send_failed"] == 0
