@@ -237,7 +237,13 @@ class SqsBridge:
             if not batch:
                 failures = 0
                 continue
-            if await self._handle(batch):
+            try:
+                ok = await self._handle(batch)
+            except Exception:
+                # Not expected; the messages come back after the visibility timeout.
+                log.exception("queue bridge: a batch failed")
+                ok = False
+            if ok:
                 failures = 0
             else:
                 failures += 1
