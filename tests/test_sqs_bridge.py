@@ -20,8 +20,8 @@ import pytest
 
 from server.metrics import REGISTRY
 from tests.client import Client
-from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, run_server
-from tests.services import DynamoFaultProxy
+from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
+from tests.services import DynamoFaultProxy, redis_url_for_tests
 
 
 def sqs_client(endpoint: str) -> Any:
@@ -222,3 +222,35 @@ async def test_a_user_event_in_the_queue_reaches_every_tab_of_its_user(
         assert (frame["stream"], frame["offset"]) == ("user:bot1", 1)
     await other.barrier()
     assert other.of_verb("yourTurn") == []
+
+
+async def test_one_message_handed_to_two_pollers_of_one_node_is_published_once(
+    dynamodb_endpoint: str, queue: str
+) -> None:
+    """SQS (and moto, whose receive is not atomic across threads) may give one message to
+    two concurrent receives; both are this node's pollers, and one publish must come of it.
+    With Redis the claim and the publish really interleave."""
+    from server.ingress.sqs import SqsBridge, _Received
+
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        sqs_queue_url=queue,
+        sqs_endpoint=dynamodb_endpoint,
+        sqs_wait_seconds=1,
+        store="dynamodb",
+        dynamodb_endpoint=dynamodb_endpoint,
+        table=await new_table(dynamodb_endpoint),
+    )
+    with redis_url_for_tests() as redis_url:
+        async with run_server(dataclasses.replace(settings, redis_url=redis_url)) as running:
+            bridge = running.node.services[0]
+            assert isinstance(bridge, SqsBridge)
+            watcher = await running.subscribed("bob", games=[("chess", "g1")])
+            body = json.dumps({"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 9}})
+            message_id = str(uuid.uuid4())
+            copies = [_Received(message_id, f"receipt-{i}", body, None) for i in range(2)]
+            await asyncio.gather(*(bridge._handle([copy]) for copy in copies))
+            await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
+            await asyncio.sleep(0.5)
+            await watcher.barrier()
+            assert game_events(watcher) == [{"meta": "chess", "id": "g1", "n": 9}]

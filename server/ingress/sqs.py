@@ -125,6 +125,7 @@ class SqsBridge:
         self._wait = wait_seconds
         self._visibility = visibility_seconds
         self._token = f"{node.node_id}/{uuid.uuid4().hex}"
+        self._batches = 0
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -293,11 +294,15 @@ class SqsBridge:
                 )
                 done.append(message)
         keys = [DEDUP_PREFIX + message.message_id for message, _ in events]
+        # A token per batch, not per node: SQS may hand one message to two pollers of
+        # this node at once, and the second must find it claimed, not "already ours".
+        self._batches += 1
+        token = f"{self._token}/{self._batches}"
         try:
             # Twice the visibility timeout: if publishing stalls past it and SQS hands
             # the message to another node, that node finds the claim and waits, rather
             # than publishing it a second time.
-            claims = await self._dedup.claim(keys, self._token, 2 * self._visibility)
+            claims = await self._dedup.claim(keys, token, 2 * self._visibility)
         except Exception as exc:
             errors.inc()
             log.warning("queue bridge: dedup store unreachable: %s", exc)
@@ -332,7 +337,7 @@ class SqsBridge:
                     done.append(message)
         try:
             await self._dedup.complete(completed, DEDUP_SECONDS)
-            await self._dedup.release(unpublished, self._token)
+            await self._dedup.release(unpublished, token)
         except Exception as exc:
             # Published but not marked: a redelivery within the visibility
             # timeout finds our claim (BUSY), after it the claim lapsed. The

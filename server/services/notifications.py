@@ -113,6 +113,7 @@ class NotificationPush:
         self._node = node
         self._dedup = dedup
         self._token = f"{node.node_id}/{uuid.uuid4().hex}"
+        self._calls = 0
         self.reader = TableStreamReader(
             store,
             lease,
@@ -136,7 +137,10 @@ class NotificationPush:
         if not found:
             return 0
         keys = [DEDUP_PREFIX + (n.event_id or f"{n.user_id}#{n.sk}") for n in found]
-        claims = await self._dedup.claim(keys, self._token, CLAIM_SECONDS)
+        # A token per call: two deliveries of one record must never both hold the claim.
+        self._calls += 1
+        token = f"{self._token}/{self._calls}"
+        claims = await self._dedup.claim(keys, token, CLAIM_SECONDS)
         done: list[str] = []
         try:
             for notification, key, claim in zip(found, keys, claims, strict=True):
@@ -149,7 +153,7 @@ class NotificationPush:
                 done.append(key)
         except BaseException:
             await self._dedup.complete(done, DEDUP_SECONDS)
-            await self._dedup.release([k for k in keys if k not in done], self._token)
+            await self._dedup.release([k for k in keys if k not in done], token)
             raise
         await self._dedup.complete(done, DEDUP_SECONDS)
         return len(found)
