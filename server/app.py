@@ -23,7 +23,7 @@ from protocol.errors import (
     ErrorCode,
     ProtocolError,
 )
-from protocol.messages import Subscribe, SyncPresence, WatchGames
+from protocol.messages import Chat, Subscribe, SyncPresence, WatchGames
 from protocol.parse import parse_client_frame
 from server.auth import Authenticator, CognitoVerifier, DevVerifier
 from server.bus.base import Bus
@@ -35,7 +35,7 @@ from server.dedup import Dedup, MemoryDedup, RedisDedup
 from server.ingress.http import build_app
 from server.lease import Lease, MemoryLease, RedisLease
 from server.metrics import REGISTRY
-from server.node import Node
+from server.node import Coordination, Node
 from server.presence import MemoryPresenceBackend, PresenceBackend
 from server.store.base import Store
 from server.store.memory import MemoryStore
@@ -79,7 +79,15 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
         redis_bus = RedisBus(settings.redis_url, name=settings.node_id)
         cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store)
         streams = RedisStreams(settings.redis_url, settings.stream_limits)
-        node = Node(settings, store, redis_bus, cluster, build_authenticator(settings), streams)
+        node = Node(
+            settings,
+            store,
+            redis_bus,
+            cluster,
+            build_authenticator(settings),
+            streams,
+            redis_coordination(settings, settings.redis_url),
+        )
         # After a Redis reconnect the node reloads presence and re-snapshots its
         # clients; if the cluster presumed it dead, it writes its rows again.
         redis_bus.on_reconnect(node.resync)
@@ -151,6 +159,20 @@ def _lease(settings: Settings, key: str) -> Lease:
     return MemoryLease()
 
 
+def redis_coordination(settings: Settings, url: str) -> Coordination:
+    """The services' cluster-wide parts: per-game chat locks, the chat rate, lastSeen claims."""
+    from server.services.chat import RATE_WINDOW_SECONDS
+    from server.services.claims import RedisClaims
+    from server.services.game_lock import RedisGameLocks
+    from server.services.rate_limit import RedisRateLimiter
+
+    return Coordination(
+        RedisGameLocks(url),
+        RedisRateLimiter(url, "chat", settings.chat_rate, RATE_WINDOW_SECONDS),
+        RedisClaims(url, "last-seen"),
+    )
+
+
 def _select_subprotocol(
     connection: ServerConnection, offered: Sequence[Subprotocol]
 ) -> Subprotocol | None:
@@ -181,7 +203,7 @@ class Handler:
             action = parse_client_frame(data)
         except ProtocolError as exc:
             bad_frames.inc()
-            session.send_error(exc.code, exc.message, self.limit)
+            session.send_error(exc.code, exc.message, self.limit, exc.client_msg_id)
             if exc.code is ErrorCode.UNAUTHORIZED:
                 # subscribe without a usable token: refused like a bad one
                 session.close(CloseCode.POLICY_VIOLATION, "invalid token")
@@ -195,6 +217,8 @@ class Handler:
             await self.node.watch(session, action.games, action.since)
         elif isinstance(action, SyncPresence):
             self.node.sync_presence(session)
+        elif isinstance(action, Chat):
+            await self.node.chat.post(session, action)
 
 
 async def start_listeners(node: Node) -> tuple[Server, web.AppRunner]:

@@ -48,6 +48,7 @@ class Settings:
     history_size: int = 50
     history_ttl: int = 900
     stream_meta_ttl: int = 24 * 3600
+    chat_rate: int = 5
     log_level: str = "INFO"
     sqs_queue_url: str | None = None
     sqs_endpoint: str | None = None
@@ -100,6 +101,7 @@ _HELP: dict[str, str] = {
     "history_size": "events kept per stream for recovery after a reconnect",
     "history_ttl": "seconds a stream's history is kept after its last event",
     "stream_meta_ttl": "seconds a stream's epoch and top offset are kept after its last event",
+    "chat_rate": "most chat comments one user may post per 10 s (cluster-wide when clustered)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "sqs_queue_url": "consume today's broadcast queue (WEBSOCKET_SQS) at this URL; off by default",
     "sqs_endpoint": "SQS endpoint URL (a local SQS or moto); default: AWS in --region",
@@ -203,6 +205,8 @@ def _validate(settings: Settings) -> None:
         )
     if settings.stream_poll_ms < 200:
         raise SystemExit("--stream-poll-ms must be at least 200 (5 GetRecords/s per shard)")
+    if settings.chat_rate < 1:
+        raise SystemExit("--chat-rate must be at least 1")
 
 
 def parse(argv: Sequence[str] | None = None) -> Settings:

@@ -1,4 +1,5 @@
-"""Domain services the node owns: each behind the store and bus interfaces."""
+"""Domain services the node owns (chat, lastSeen, notifications, ...), each behind the store
+and bus interfaces, with memory parts for the embedded default and Redis parts for a cluster."""
 
 from __future__ import annotations
 

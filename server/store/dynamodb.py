@@ -33,6 +33,7 @@ from server.store.base import (
     StoreUnavailable,
     StreamReaderState,
 )
+from server.store.dynamodb_records import GameRecordsMixin
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def _chunks(items: Sequence[dict[str, Any]], size: int) -> Iterable[list[dict[st
         yield list(items[start : start + size])
 
 
-class DynamoStore:
+class DynamoStore(GameRecordsMixin):
     """The Store protocol on a DynamoDB table with string ``pk``/``sk`` keys."""
 
     def __init__(
