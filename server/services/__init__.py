@@ -1,4 +1,4 @@
-"""Domain services the node owns (chat, lastSeen, notifications, ...), each behind the store
+"""Domain services the node owns (bots, chat, lastSeen, notifications, ...), each behind the store
 and bus interfaces, with memory parts for the embedded default and Redis parts for a cluster."""
 
 from __future__ import annotations
