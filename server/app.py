@@ -67,11 +67,17 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
         store = build_store(settings)
     bus: Bus
     backend: PresenceBackend
-    if settings.redis_url is not None:
+    if settings.clustered:
         from server.bus.redis_bus import RedisBus
+        from server.bus.redis_cluster_bus import RedisClusterBus
         from server.cluster import RedisPresenceBackend
 
-        redis_bus = RedisBus(settings.redis_url)
+        redis_bus: RedisBus | RedisClusterBus
+        if settings.redis_cluster_url is not None:
+            redis_bus = RedisClusterBus(settings.redis_cluster_url)
+        else:
+            assert settings.redis_url is not None
+            redis_bus = RedisBus(settings.redis_url)
         cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store)
         node = Node(settings, store, redis_bus, cluster, build_authenticator(settings))
         # After a Redis reconnect the node reloads presence and re-snapshots its
@@ -182,7 +188,13 @@ async def serve_forever(settings: Settings) -> None:
     await node.start()
     ws_server, runner = await start_listeners(node)
     gc.freeze()  # what start-up allocated lives as long as the process
-    mode = "cluster node (Redis bus)" if settings.clustered else "embedded (in-process bus)"
+    mode = (
+        "cluster node (Redis Cluster bus)"
+        if settings.redis_cluster_url is not None
+        else "cluster node (Redis bus)"
+        if settings.clustered
+        else "embedded (in-process bus)"
+    )
     log.info(
         "ap-realtime %s: ws://%s:%d, internal http://%s:%d, node %s, %s store, auth %s",
         mode,

@@ -40,6 +40,7 @@ class Settings:
     region: str = "us-east-1"
     store: str = "memory"
     redis_url: str | None = None
+    redis_cluster_url: str | None = None
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
     log_level: str = "INFO"
@@ -50,7 +51,7 @@ class Settings:
 
     @property
     def clustered(self) -> bool:
-        return self.redis_url is not None
+        return self.redis_url is not None or self.redis_cluster_url is not None
 
 
 _HELP: dict[str, str] = {
@@ -76,6 +77,10 @@ _HELP: dict[str, str] = {
     "region": "AWS region of the table",
     "store": "connection store: memory or dynamodb",
     "redis_url": "Redis URL; makes this process one node of a cluster",
+    "redis_cluster_url": (
+        "Redis Cluster seed nodes, redis://host:port[,redis://host:port...]; like "
+        "--redis-url, over a Redis Cluster with sharded pub/sub"
+    ),
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
@@ -135,9 +140,19 @@ def load(args: argparse.Namespace | None, environ: Mapping[str, str] | None = No
 def _validate(settings: Settings) -> None:
     if settings.store not in ("memory", "dynamodb"):
         raise SystemExit(f"--store must be memory or dynamodb, not {settings.store!r}")
+    if settings.redis_url is not None and settings.redis_cluster_url is not None:
+        raise SystemExit("--redis-url and --redis-cluster-url exclude each other: pick one")
+    if settings.redis_cluster_url is not None:
+        from server.bus.redis_cluster_bus import startup_nodes
+
+        try:
+            startup_nodes(settings.redis_cluster_url)
+        except ValueError as exc:
+            raise SystemExit(f"--redis-cluster-url: {exc}") from None
     if settings.clustered and settings.store == "memory":
+        flag = "--redis-url" if settings.redis_url is not None else "--redis-cluster-url"
         raise SystemExit(
-            "--redis-url needs a shared store: add --dynamodb-endpoint or --store dynamodb"
+            f"{flag} needs a shared store: add --dynamodb-endpoint or --store dynamodb"
         )
     if (settings.cognito_issuer is None) != (settings.cognito_client_id is None):
         raise SystemExit("--cognito-issuer and --cognito-client-id go together")
