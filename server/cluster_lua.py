@@ -88,31 +88,7 @@ redis.call('ZADD', KEYS[1], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 
 return 0
 """
 
-DEdef for_bus(script: str, *, sharded: bool) -> str:
-    """The script as it must run: ``SPUBLISH`` on a Redis Cluster, ``PUBLISH`` on one Redis.
-
-    A plain ``PUBLISH`` on a cluster is broadcast to every node; ``SPUBLISH``
-    stays on the shard of the channel's slot, which is the script's own slot.
-    """
-    return script.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'") if sharded else script
-
-
-REPORT = """
--- A node's users changed: update its hash and hint the writer, in one step.
--- KEYS: this node's hash.  ARGV: hints channel, hint envelope, then user, state
--- pairs (state '1' visible, '0' invisible, '' gone).
-for i = 3, #ARGV, 2 do
-  if ARGV[i + 1] == '' then
-    redis.call('HDEL', KEYS[1], ARGV[i])
-  else
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-  end
-end
-redis.call('PUBLISH', ARGV[1], ARGV[2])
-return 1
-"""
-
-REGISTER = (
+DEREGISTER = (
     _PRELUDE
     + """
 -- Leave the cluster on a clean shutdown: the writer withdraws these users now.

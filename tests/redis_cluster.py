@@ -77,6 +77,10 @@ class Instance:
                 "nodes.conf",
                 "--cluster-node-timeout",
                 str(NODE_TIMEOUT_MS),
+                # A replica may take over only if its data is recent; it hears
+                # from its primary every second, so it always is.
+                "--repl-ping-replica-period",
+                "1",
                 "--save",
                 "",
                 "--appendonly",
@@ -149,6 +153,11 @@ class RedisCluster:
             instance.start()
         self.wait_ok(timeout)
 
+    def flush(self) -> None:
+        """Empty every primary, so a test starts from a cluster without keys."""
+        for port in self.primaries():
+            _command(port, "flushall")
+
     # --- state --------------------------------------------------------------
 
     def wait_ok(self, timeout: float = 60.0) -> None:
@@ -165,7 +174,11 @@ class RedisCluster:
     @staticmethod
     def _ok(port: int) -> bool:
         info = _command(port, "cluster", "info")
-        return "cluster_state:ok" in info and "cluster_slots_ok:16384" in info
+        if "cluster_state:ok" not in info or "cluster_slots_ok:16384" not in info:
+            return False
+        # A replica that has not synced yet could not take over from its primary.
+        replication = _command(port, "info", "replication")
+        return "role:slave" not in replication or "master_link_status:up" in replication
 
     def primaries(self) -> list[int]:
         """Ports of the live primaries, as the cluster sees them now."""
