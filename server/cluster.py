@@ -113,6 +113,7 @@ class RedisPresenceBackend:
         self._committed = ns + "committed"
         self._hints = channel_for(PRESENCE_HINTS)
         self._deltas = channel_for(PRESENCE)
+
         def script(source: str) -> Any:
             return self._client.register_script(cluster_lua.for_bus(source, sharded=bus.sharded))
 
@@ -130,7 +131,9 @@ class RedisPresenceBackend:
         bus.on_reconnect(self._wake.set)
 
     @classmethod
-    def from_settings(cls, settings: Settings, bus: SharedBus, store: Store) -> RedisPresenceBackend:
+    def from_settings(
+        cls, settings: Settings, bus: SharedBus, store: Store
+    ) -> RedisPresenceBackend:
         return cls(
             bus,
             store,

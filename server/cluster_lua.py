@@ -25,6 +25,7 @@ local function publish_hint(channel, node, users)
 end
 """.replace("ENVELOPE_VERSION", str(ENVELOPE_VERSION))
 
+
 def for_bus(script: str, *, sharded: bool) -> str:
     """The script as it must run: ``SPUBLISH`` on a Redis Cluster, ``PUBLISH`` on one Redis.
 

@@ -31,7 +31,7 @@ NODE_TIMEOUT_MS = 1000
 SIZE = 6
 
 
-def _command(port: int, *args: str, timeout: float = 2.0) -> str:
+def redis_cli(port: int, *args: str, timeout: float = 2.0) -> str:
     """One command through ``redis-cli``; its output, or "" if the instance is away."""
     try:
         done = subprocess.run(
@@ -127,9 +127,9 @@ class RedisCluster:
         for instance in self.instances:
             instance.start()
         addresses = [i.address for i in self.instances]
+        replicas = ["--cluster-replicas", "1", "--cluster-yes"]
         created = subprocess.run(
-            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "1"]
-            + ["--cluster-yes"],
+            ["redis-cli", "--cluster", "create", *addresses, *replicas],
             capture_output=True,
             timeout=timeout,
             check=False,
@@ -156,7 +156,7 @@ class RedisCluster:
     def flush(self) -> None:
         """Empty every primary, so a test starts from a cluster without keys."""
         for port in self.primaries():
-            _command(port, "flushall")
+            redis_cli(port, "flushall")
 
     # --- state --------------------------------------------------------------
 
@@ -167,17 +167,17 @@ class RedisCluster:
             if all(self._ok(i.port) for i in self.instances if i.alive):
                 return
             if time.monotonic() > deadline:
-                states = {i.port: _command(i.port, "cluster", "info")[:80] for i in self.instances}
+                states = {i.port: redis_cli(i.port, "cluster", "info")[:80] for i in self.instances}
                 raise ServiceError(f"Redis Cluster not ok after {timeout}s: {states}")
             time.sleep(0.1)
 
     @staticmethod
     def _ok(port: int) -> bool:
-        info = _command(port, "cluster", "info")
+        info = redis_cli(port, "cluster", "info")
         if "cluster_state:ok" not in info or "cluster_slots_ok:16384" not in info:
             return False
         # A replica that has not synced yet could not take over from its primary.
-        replication = _command(port, "info", "replication")
+        replication = redis_cli(port, "info", "replication")
         return "role:slave" not in replication or "master_link_status:up" in replication
 
     def primaries(self) -> list[int]:
@@ -185,7 +185,7 @@ class RedisCluster:
         for instance in self.instances:
             if instance.alive:
                 ports = []
-                for line in _command(instance.port, "cluster", "nodes").splitlines():
+                for line in redis_cli(instance.port, "cluster", "nodes").splitlines():
                     parts = line.split()
                     flags = parts[2] if len(parts) > 8 else ""
                     if "master" in flags and "fail" not in flags and parts[7] == "connected":
@@ -199,7 +199,7 @@ class RedisCluster:
         for instance in self.instances:
             if not instance.alive:
                 continue
-            for line in _command(instance.port, "cluster", "nodes").splitlines():
+            for line in redis_cli(instance.port, "cluster", "nodes").splitlines():
                 parts = line.split()
                 if len(parts) < 9 or "master" not in parts[2] or "fail" in parts[2]:
                     continue
@@ -266,4 +266,10 @@ def redis_cluster_for_tests() -> Iterator[RedisCluster]:
         cluster.stop()
 
 
-__all__ = ["NODE_TIMEOUT_MS", "RedisCluster", "redis_cluster_for_tests", "start_redis_cluster"]
+__all__ = [
+    "NODE_TIMEOUT_MS",
+    "RedisCluster",
+    "redis_cli",
+    "redis_cluster_for_tests",
+    "start_redis_cluster",
+]

@@ -44,7 +44,7 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.cluster import key_slot
+from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from server.bus.base import MessageHandler
@@ -123,6 +123,7 @@ class _Shard:
         self.channels: set[str] = set()
         self.reader: asyncio.Task[None] | None = None
         self.barriers: dict[bytes, asyncio.Future[bool]] = {}
+        self.dead = False  # lost: never used again
 
     @property
     def attached(self) -> bool:
@@ -150,9 +151,18 @@ class _Shard:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
             raise
+        # redis-py reconnects a pub/sub connection by itself (in get_message,
+        # or after a failed command) and resubscribes silently: messages sent
+        # meanwhile would be lost unnoticed. Any reconnect counts as a loss.
+        assert pubsub.connection is not None
+        pubsub.connection.register_connect_callback(self._reconnected)
         self.pubsub = pubsub
         self.channels = set(channels)
         return backlog
+
+    async def _reconnected(self, connection: object) -> None:
+        if self.pubsub is not None:
+            self.bus.lost(self, _ShardLost("the connection was re-established"))
 
     def start_reader(self) -> None:
         if self.pubsub is not None and self.reader is None:
@@ -335,7 +345,7 @@ class RedisClusterBus:
                 # A failover: the slot's primary is gone until its replica is
                 # promoted. Retry rather than drop; the client refreshes its map.
                 if time.monotonic() + 0.1 > deadline:
-                    log.warning("SPUBLISH on %s failed, delivering on this node only: %s", topic, exc)
+                    log.warning("SPUBLISH on %s failed, delivering here only: %s", topic, exc)
                     break
                 publish_retries.inc()
                 await asyncio.sleep(0.1)
@@ -395,29 +405,40 @@ class RedisClusterBus:
         owners: dict[str, ClusterNode] = {}
         for channel in (channel_for(t) for t in self._topics):
             node = self._client.get_node_from_key(channel)
+            if node is None:
+                raise _ShardLost(f"no primary serves {channel}")
             wanted[node.name].add(channel)
             owners[node.name] = node
         for name in list(self._shards):
             if name not in wanted:
                 await self._shards.pop(name).close()
         attached: list[tuple[_Shard, list[dict[str, Any]]]] = []
-        for name, channels in wanted.items():
-            shard = self._shards.get(name)
-            if shard is None:
-                node = owners[name]
-                shard = self._shards[name] = _Shard(self, node.host, node.port)
-            if shard.attached:
-                await shard.change(channels - shard.channels, shard.channels - channels)
-            else:
-                attached.append((shard, await shard.attach(channels)))
+        try:
+            for name, channels in wanted.items():
+                shard = self._shards.get(name)
+                if shard is None:
+                    node = owners[name]
+                    shard = self._shards[name] = _Shard(self, node.host, int(node.port))
+                if shard.attached:
+                    await shard.change(channels - shard.channels, shard.channels - channels)
+                else:
+                    attached.append((shard, await shard.attach(channels)))
+        except BaseException:
+            # Shards attached in this pass have no reader yet: drop them, so
+            # that the next pass attaches them afresh instead of trusting them.
+            for shard, _ in attached:
+                self._shards.pop(shard.name, None)
+                await shard.close()
+            raise
         return attached
 
     # --- losing and repairing shards ----------------------------------------
 
     def lost(self, shard: _Shard, exc: BaseException) -> None:
         """Called by a shard whose connection failed (from its reader)."""
-        if self._closing:
+        if self._closing or shard.dead:
             return
+        shard.dead = True
         shard_losses.inc()
         log.warning("Redis Cluster shard %s lost: %s", shard.name, exc or type(exc).__name__)
         if self._shards.get(shard.name) is shard:

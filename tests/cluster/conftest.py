@@ -8,6 +8,7 @@ namespaced by nothing but the table, so each test flushes the cluster first).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Generator
@@ -40,10 +41,24 @@ async def cluster(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> Asy
     """Three started nodes on one Redis of the test's own (it may restart it)."""
     redis: RedisServer | RedisCluster
     if getattr(request, "param", "redis") == "redis-cluster":
-        redis = request.getfixturevalue("shared_redis_cluster")
-        redis.flush()
+        shared: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+        shared.flush()
+        redis = shared
     else:
         redis = start_redis_server()
+    try:
+        async with nodes_on(redis, request, dynamodb_endpoint) as running:
+            yield running
+    finally:
+        if isinstance(redis, RedisServer):
+            redis.stop()
+
+
+@contextlib.asynccontextmanager
+async def nodes_on(
+    redis: RedisServer | RedisCluster, request: pytest.FixtureRequest, dynamodb_endpoint: str
+) -> AsyncIterator[Cluster]:
+    """Three started nodes on ``redis`` and a table of their own; their logs if the test failed."""
     table = f"cluster-{uuid.uuid4().hex[:12]}"
     await create_table(dynamodb_endpoint, table, REGION)
     workdir = new_workdir()
@@ -55,8 +70,6 @@ async def cluster(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> Asy
         await running.close()
         if request.node.stash.get(FAILED, True) or os.environ.get("AP_CLUSTER_LOGS"):
             print(running.logs())
-        if isinstance(redis, RedisServer):
-            redis.stop()
         remove_workdir(workdir)
 
 

@@ -9,7 +9,6 @@ from tests.client import Client
 from tests.cluster.conftest import BOTH_REDIS
 from tests.cluster.harness import DEBOUNCE_MS, SLACK, Cluster, eventually, wait_visible
 
-
 pytestmark = BOTH_REDIS
 
 
