@@ -18,9 +18,13 @@ from websockets.frames import Opcode
 from protocol.messages import (
     AdminTest,
     GameEvent,
+    Positioned,
     PresenceDelta,
     PresenceSnapshot,
+    Recovered,
     ServerMessage,
+    Skip,
+    UserEvent,
 )
 
 
@@ -47,8 +51,34 @@ def to_wire(message: ServerMessage) -> dict[str, Any]:
                 "visibleUserIds": list(message.visible_user_ids),
             },
         }
-    if isinstance(message, GameEvent):
+    if isinstance(message, Positioned):
+        # Additive: old clients read verb and payload and ignore the rest.
+        return {
+            "verb": message.event.verb,
+            "payload": message.event.payload,
+            "stream": message.stream,
+            "epoch": message.epoch,
+            "offset": message.offset,
+        }
+    if isinstance(message, GameEvent | UserEvent):
         return {"verb": message.verb, "payload": message.payload}
+    if isinstance(message, Skip):
+        return {
+            "verb": "skip",
+            "stream": message.stream,
+            "epoch": message.epoch,
+            "offset": message.offset,
+        }
+    if isinstance(message, Recovered):
+        return {
+            "verb": "recovered",
+            "payload": {
+                "stream": message.stream,
+                "recovered": message.recovered,
+                "epoch": message.epoch,
+                "offset": message.offset,
+            },
+        }
     if isinstance(message, AdminTest):
         return {"verb": "test", "payload": message.payload}
     return {"verb": "error", "payload": {"code": message.code, "message": message.message}}

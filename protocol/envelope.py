@@ -11,7 +11,14 @@ from typing import Any
 
 import msgpack
 
-from protocol.messages import AdminTest, Broadcast, GameEvent, PresenceDelta
+from protocol.messages import (
+    USER_VERBS,
+    AdminTest,
+    Broadcast,
+    GameEvent,
+    PresenceDelta,
+    UserEvent,
+)
 
 ENVELOPE_VERSION = 1
 
@@ -40,7 +47,7 @@ def encode_envelope(envelope: Envelope) -> bytes:
         event = envelope.event
         body = {
             "k": "event",
-            "verb": event.verb if isinstance(event, GameEvent) else "test",
+            "verb": event.verb if isinstance(event, GameEvent | UserEvent) else "test",
             "payload": event.payload,
             "exclude": sorted(envelope.exclude),
         }
@@ -72,6 +79,9 @@ def decode_envelope(data: bytes) -> Envelope:
             exclude = frozenset(body["exclude"])
             if verb == "test":
                 return Broadcast(event=AdminTest(payload=payload), exclude=exclude)
+            if verb in USER_VERBS:
+                # The recipient is the user of the stream the event travels on.
+                return Broadcast(event=UserEvent(verb, (), payload), exclude=exclude)
             event = GameEvent(
                 verb="game" if verb == "game" else "chat",
                 meta=payload["meta"],
@@ -98,3 +108,38 @@ def decode_envelope(data: bytes) -> Envelope:
         raise
     except Exception as exc:
         raise EnvelopeError(f"malformed envelope: {exc}") from None
+
+
+# --- positioned messages --------------------------------------------------------
+#
+# A stream event crosses the bus as ``0x00 epoch 0x00 offset 0x00 envelope``:
+# the position is prefixed by the Redis Lua script that assigns it, with plain
+# string concatenation (no msgpack in Lua). A bare envelope is a msgpack map,
+# which never starts with 0x00, so both kinds share one channel unambiguously.
+
+POSITIONED_MARK = b"\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class PositionedData:
+    """A stream event as it crossed the bus: its position and its envelope bytes."""
+
+    epoch: str
+    offset: int
+    data: bytes
+
+
+def encode_positioned(epoch: str, offset: int, data: bytes) -> bytes:
+    return b"".join((POSITIONED_MARK, epoch.encode(), b"\x00", str(offset).encode(), b"\x00", data))
+
+
+def is_positioned(raw: bytes) -> bool:
+    return raw[:1] == POSITIONED_MARK
+
+
+def decode_positioned(raw: bytes) -> PositionedData:
+    try:
+        _, epoch, offset, data = raw.split(b"\x00", 3)
+        return PositionedData(epoch.decode(), int(offset), data)
+    except ValueError as exc:
+        raise EnvelopeError(f"malformed positioned message: {exc}") from None

@@ -16,6 +16,7 @@ class ErrorCode(StrEnum):
     TOO_MANY_GAMES = "too_many_games"
     USER_MISMATCH = "user_mismatch"
     UNAVAILABLE = "unavailable"
+    STREAM_NOT_ALLOWED = "stream_not_allowed"
 
 
 class CloseCode(IntEnum):

@@ -13,6 +13,18 @@ GameKey = str
 """A watched game as stored in ``watchingGames``: ``"<metaGame>#<gameId>"``."""
 
 
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where an event sits in its stream: ``offset`` counts from 1 within ``epoch``."""
+
+    epoch: str
+    offset: int
+
+
+Since = dict[str, Position]
+"""``since`` of ``subscribe``/``watchGames``: stream name -> last position seen."""
+
+
 def game_key(meta: str, game_id: str) -> GameKey:
     """Build the ``watchingGames`` key of a game."""
     return f"{meta}#{game_id}"
@@ -31,6 +43,8 @@ class Subscribe:
     watch_version: int | None = None
     # None means the client sent no ``games`` field (a legacy client).
     games: frozenset[GameKey] | None = None
+    # None: the client sent no ``since`` (it does not speak streams).
+    since: Since | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +52,7 @@ class WatchGames:
     """``{"action":"watchGames","games":[...]}``: replace the watch set."""
 
     games: frozenset[GameKey]
+    since: Since | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +107,22 @@ class GameEvent:
         return game_key(self.meta, self.game_id)
 
 
+UserVerb = Literal["yourTurn", "notification", "challenge", "gameStart", "gameEnd"]
+USER_VERBS: frozenset[str] = frozenset(
+    {"yourTurn", "notification", "challenge", "gameStart", "gameEnd"}
+)
+"""Verbs of events addressed to users (``POST /publish`` with ``users``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class UserEvent:
+    """An event for every connection of each of ``users``, on their user streams."""
+
+    verb: str
+    users: tuple[str, ...]
+    payload: Any = field(compare=False)
+
+
 @dataclass(frozen=True, slots=True)
 class AdminTest:
     """``test``: an admin broadcast to everyone, shown as a toast."""
@@ -107,7 +138,46 @@ class ErrorMessage:
     message: str
 
 
-ServerMessage = PresenceSnapshot | PresenceDelta | GameEvent | AdminTest | ErrorMessage
+@dataclass(frozen=True, slots=True)
+class Positioned:
+    """A stream event as sent to clients: the event plus its stream position."""
+
+    event: GameEvent | UserEvent
+    stream: str
+    epoch: str
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """In place of an event the connection is excluded from (stream speakers only)."""
+
+    stream: str
+    epoch: str
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """The outcome of recovery for one stream; ``offset`` is the stream's top."""
+
+    stream: str
+    recovered: bool
+    epoch: str
+    offset: int
+
+
+ServerMessage = (
+    PresenceSnapshot
+    | PresenceDelta
+    | GameEvent
+    | UserEvent
+    | AdminTest
+    | ErrorMessage
+    | Positioned
+    | Skip
+    | Recovered
+)
 
 
 # --- backend -> server ------------------------------------------------------
@@ -115,7 +185,8 @@ ServerMessage = PresenceSnapshot | PresenceDelta | GameEvent | AdminTest | Error
 
 @dataclass(frozen=True, slots=True)
 class Broadcast:
-    """Today's SQS broadcast body: ``{"verb","payload","exclude"}``."""
+    """Today's SQS broadcast body: ``{"verb","payload","exclude"}``, or a user
+    event (``{"verb","payload","users","exclude"}``)."""
 
-    event: GameEvent | AdminTest
+    event: GameEvent | AdminTest | UserEvent
     exclude: frozenset[str] = frozenset()

@@ -22,16 +22,21 @@ from protocol.errors import (
 )
 from protocol.messages import (
     GAME_VERBS,
+    USER_VERBS,
     AdminTest,
     Broadcast,
     ClientAction,
     GameEvent,
     GameKey,
+    Position,
+    Since,
     Subscribe,
     SyncPresence,
+    UserEvent,
     WatchGames,
     game_key,
 )
+from protocol.streams import MAX_SINCE_STREAMS, MAX_USERS_PER_PUBLISH
 
 
 def decode_frame(data: str | bytes) -> Any:
@@ -60,7 +65,10 @@ def parse_client_message(message: Any) -> ClientAction:
     if action == "subscribe":
         return _parse_subscribe(message)
     if action == "watchGames":
-        return WatchGames(games=_parse_games(message.get("games"), required=True) or frozenset())
+        return WatchGames(
+            games=_parse_games(message.get("games"), required=True) or frozenset(),
+            since=parse_since(message.get("since")),
+        )
     if action == "syncPresence":
         return SyncPresence()
     if not isinstance(action, str):
@@ -90,10 +98,46 @@ def _parse_subscribe(message: Mapping[str, Any]) -> Subscribe:
         wants_presence=_parse_bool(message, "wantsPresence", default=True),
         watch_version=watch_version,
         games=_parse_games(message.get("games"), required=False),
+        since=parse_since(message.get("since")),
     )
 
 
 MAX_WATCH_VERSION = 1000
+MAX_STREAM_NAME_CHARS = 300
+MAX_EPOCH_CHARS = 64
+MAX_OFFSET = 2**53  # a JSON number every client can hold exactly
+
+
+def parse_since(value: Any) -> Since | None:
+    """``{"<stream>": {"epoch": str, "offset": int >= 0}, ...}``; any flaw fails it all."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "'since' must be an object")
+    if len(value) > MAX_SINCE_STREAMS:
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE, f"'since' may name at most {MAX_SINCE_STREAMS} streams"
+        )
+    since: Since = {}
+    for stream, position in value.items():
+        if not isinstance(stream, str) or not 0 < len(stream) <= MAX_STREAM_NAME_CHARS:
+            raise ProtocolError(ErrorCode.INVALID_MESSAGE, "'since' keys must be stream names")
+        if not isinstance(position, Mapping):
+            raise ProtocolError(
+                ErrorCode.INVALID_MESSAGE, f"'since' of {_quote(stream)} must be an object"
+            )
+        epoch, offset = position.get("epoch"), position.get("offset")
+        if not isinstance(epoch, str) or len(epoch) > MAX_EPOCH_CHARS:
+            raise ProtocolError(
+                ErrorCode.INVALID_MESSAGE, f"'epoch' of {_quote(stream)} must be a string"
+            )
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= MAX_OFFSET:
+            raise ProtocolError(
+                ErrorCode.INVALID_MESSAGE,
+                f"'offset' of {_quote(stream)} must be a whole number from 0",
+            )
+        since[stream] = Position(epoch=epoch, offset=offset)
+    return since
 
 
 def _parse_bool(message: Mapping[str, Any], name: str, *, default: bool) -> bool:
@@ -158,6 +202,9 @@ def parse_broadcast(body: bytes | str) -> Broadcast:
     verb = message.get("verb")
     payload = message.get("payload")
     exclude = _parse_exclude(message.get("exclude"))
+    users = message.get("users")
+    if users is not None:
+        return Broadcast(event=_parse_user_event(verb, payload, users), exclude=exclude)
     if verb == "test":
         _check_encodable(payload)
         return Broadcast(event=AdminTest(payload=payload), exclude=exclude)
@@ -180,6 +227,31 @@ def parse_broadcast(body: bytes | str) -> Broadcast:
     if not isinstance(verb, str):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, "body needs a string 'verb'")
     raise ProtocolError(ErrorCode.UNKNOWN_ACTION, f"unknown verb {_quote(verb)}")
+
+
+def _parse_user_event(verb: Any, payload: Any, users: Any) -> UserEvent:
+    if not isinstance(verb, str) or verb not in USER_VERBS:
+        shown = _quote(verb) if isinstance(verb, str) else "a non-string verb"
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_ACTION,
+            f"{shown} cannot go to users; allowed: {', '.join(sorted(USER_VERBS))}",
+        )
+    if not isinstance(users, list) or not all(_is_user_id(user) for user in users):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "'users' must be a list of user ids")
+    unique = tuple(dict.fromkeys(users))
+    if not unique:
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "'users' must name at least one user")
+    if len(unique) > MAX_USERS_PER_PUBLISH:
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE,
+            f"at most {MAX_USERS_PER_PUBLISH} users per publish, not {len(unique)}",
+        )
+    _check_encodable(payload)
+    return UserEvent(verb=verb, users=unique, payload=payload)
+
+
+def _is_user_id(value: Any) -> TypeGuard[str]:
+    return isinstance(value, str) and 0 < len(value) <= MAX_GAME_FIELD_CHARS * 2 and _is_utf8(value)
 
 
 def _check_encodable(payload: Any) -> None:

@@ -27,6 +27,7 @@ from protocol.parse import parse_client_frame
 from server.auth import Authenticator, CognitoVerifier, DevVerifier
 from server.bus.base import Bus
 from server.bus.memory import MemoryBus
+from server.bus.streams import MemoryStreams
 from server.config import Settings
 from server.connection import Session
 from server.ingress.http import build_app
@@ -70,25 +71,31 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
     if settings.clustered:
         from server.bus.redis_bus import RedisBus
         from server.bus.redis_cluster_bus import RedisClusterBus
+        from server.bus.redis_streams import RedisStreams
         from server.cluster import RedisPresenceBackend
 
         redis_bus: RedisBus | RedisClusterBus
         if settings.redis_cluster_url is not None:
-            redis_bus = RedisClusterBus(settings.redis_cluster_url)
+            redis_bus = RedisClusterBus(settings.redis_cluster_url, name=settings.node_id)
+            streams = RedisStreams.on_cluster(redis_bus, settings.stream_limits)
         else:
             assert settings.redis_url is not None
-            redis_bus = RedisBus(settings.redis_url)
+            redis_bus = RedisBus(settings.redis_url, name=settings.node_id)
+            streams = RedisStreams(settings.redis_url, settings.stream_limits)
         cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store)
-        node = Node(settings, store, redis_bus, cluster, build_authenticator(settings))
+        node = Node(settings, store, redis_bus, cluster, build_authenticator(settings), streams)
         # After a Redis reconnect the node reloads presence and re-snapshots its
         # clients; if the cluster presumed it dead, it writes its rows again.
         redis_bus.on_reconnect(node.resync)
+        # Events published meanwhile are in the streams' history: fill the holes.
+        redis_bus.on_reconnect(node.check_streams)
         cluster.on_presumed_dead(node.rewrite_rows)
         return node
     memory_bus = MemoryBus()
     bus = memory_bus
     backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
-    return Node(settings, store, bus, backend, build_authenticator(settings))
+    memory_streams = MemoryStreams(memory_bus, settings.stream_limits)
+    return Node(settings, store, bus, backend, build_authenticator(settings), memory_streams)
 
 
 def _select_subprotocol(
@@ -132,7 +139,7 @@ class Handler:
             bad_frames.inc()
             session.send_error(ErrorCode.NOT_SUBSCRIBED, "Not subscribed", self.limit)
         elif isinstance(action, WatchGames):
-            self.node.watch(session, action.games)
+            await self.node.watch(session, action.games, action.since)
         elif isinstance(action, SyncPresence):
             self.node.sync_presence(session)
 

@@ -13,7 +13,10 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from server.bus.streams import StreamLimits
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,20 @@ class Settings:
     redis_cluster_url: str | None = None
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
+    history_size: int = 50
+    history_ttl: int = 900
+    stream_meta_ttl: int = 24 * 3600
     log_level: str = "INFO"
 
     @property
     def presence_debounce(self) -> float:
         return self.presence_debounce_ms / 1000
+
+    @property
+    def stream_limits(self) -> StreamLimits:
+        from server.bus.streams import StreamLimits
+
+        return StreamLimits(self.history_size, float(self.history_ttl), float(self.stream_meta_ttl))
 
     @property
     def clustered(self) -> bool:
@@ -83,6 +95,9 @@ _HELP: dict[str, str] = {
     ),
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
+    "history_size": "events kept per stream for recovery after a reconnect",
+    "history_ttl": "seconds a stream's history is kept after its last event",
+    "stream_meta_ttl": "seconds a stream's epoch and top offset are kept after its last event",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
 }
 
@@ -156,6 +171,10 @@ def _validate(settings: Settings) -> None:
         )
     if (settings.cognito_issuer is None) != (settings.cognito_client_id is None):
         raise SystemExit("--cognito-issuer and --cognito-client-id go together")
+    if settings.history_size < 1:
+        raise SystemExit("--history-size must be at least 1")
+    if settings.history_ttl < 1 or settings.stream_meta_ttl < settings.history_ttl:
+        raise SystemExit("--history-ttl must be at least 1 and at most --stream-meta-ttl")
     if settings.presence_debounce_ms < 0:
         raise SystemExit("--presence-debounce-ms must not be negative")
 

@@ -20,7 +20,7 @@ from websockets.protocol import State
 
 from protocol.codec import Frame
 from protocol.errors import MSGPACK_SUBPROTOCOL, CloseCode, ErrorCode
-from protocol.messages import ErrorMessage, GameKey
+from protocol.messages import Broadcast, ErrorMessage, GameKey
 from server.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ class Session:
         "close_task",
         "connection_id",
         "invisible",
+        "positions",
+        "recovering",
         "row_ttl",
         "user_id",
         "wants_presence",
@@ -63,10 +65,19 @@ class Session:
         self.watching: frozenset[GameKey] = frozenset()
         self.row_ttl = 0
         self.close_task: asyncio.Task[None] | None = None
+        # Stream speakers only (they sent ``since``): stream -> last (epoch, offset)
+        # sent, so that replay and live never duplicate. None: a plain client.
+        self.positions: dict[str, tuple[str, int]] | None = None
+        # Streams being recovered -> live events buffered until the replay is sent.
+        self.recovering: dict[str, list[tuple[str, int, Broadcast]]] = {}
 
     @property
     def subscribed(self) -> bool:
         return self.user_id is not None
+
+    @property
+    def speaks_streams(self) -> bool:
+        return self.positions is not None
 
     @property
     def legacy(self) -> bool:

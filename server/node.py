@@ -3,6 +3,22 @@
 Every event enters the cluster once (``publish``), crosses the bus, and each
 node picks its own recipients from indexes kept up to date on subscribe and
 watch. No path here scans all connections.
+
+Python API for services (stable):
+
+- ``positions = await node.publish(message)`` where
+  ``message = protocol.parse.parse_broadcast(body_bytes)`` (or the same
+  :class:`~protocol.messages.Broadcast` built directly). It is the one door for
+  every event: ``game``/``chat`` go to the game's stream, a ``UserEvent`` to
+  each addressed user's stream, ``test`` to every node. The returned
+  ``dict[str, Position]`` maps each stream written to the event's position
+  (empty for ``test``, and when Redis is unreachable and the event could only
+  be delivered on this node, unpositioned).
+- Streams (``protocol.streams``): ``game:<meta>#<id>`` and ``user:<userId>``.
+  Each node keeps a cursor per stream it holds and repairs gaps from the
+  history (``Streams.read``) before it delivers anything later; when it cannot,
+  or when the epoch changed, its stream-speaking clients get
+  ``recovered: false``.
 """
 
 from __future__ import annotations
@@ -11,25 +27,52 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from protocol.codec import Frame
-from protocol.envelope import EnvelopeError, PresenceHint, decode_envelope, encode_envelope
+from protocol.envelope import (
+    EnvelopeError,
+    PositionedData,
+    PresenceHint,
+    decode_envelope,
+    decode_positioned,
+    encode_envelope,
+    is_positioned,
+)
 from protocol.errors import CloseCode, ErrorCode
 from protocol.messages import (
     AdminTest,
     Broadcast,
     GameEvent,
     GameKey,
+    Position,
+    Positioned,
     PresenceDelta,
+    Recovered,
+    Since,
+    Skip,
     Subscribe,
+    UserEvent,
+)
+from protocol.streams import (
+    HistoryRead,
+    Step,
+    StreamCursor,
+    game_stream,
+    merge_recovery,
+    stream_game,
+    stream_user,
+    user_stream,
 )
 from server.auth import Authenticator, AuthError
 from server.batching import CoalescingFlusher
 from server.bus.base import Bus
+from server.bus.streams import Append, Streams
 from server.bus.topics import (
     ADMIN,
     ALL_GAMES,
-    GAME_PREFIX,
     NODE_TOPICS,
     PRESENCE,
     PRESENCE_HINTS,
@@ -56,9 +99,26 @@ RELOAD_ATTEMPTS = 20
 events_published = REGISTRY.counter("ap_events_published_total", "Events accepted for fan-out")
 events_received = REGISTRY.counter("ap_bus_messages_total", "Envelopes received from the bus")
 bad_envelopes = REGISTRY.counter("ap_bus_bad_envelopes_total", "Envelopes that failed to decode")
+stream_gaps = REGISTRY.counter(
+    "ap_stream_gaps_total", "Holes in a stream this node heard, repaired from history or not"
+)
+stream_losses = REGISTRY.counter(
+    "ap_stream_losses_total", "Times this node told its clients recovered:false for a stream"
+)
+stream_repaired = REGISTRY.counter(
+    "ap_stream_repaired_events_total", "Events this node missed live and delivered from history"
+)
+recoveries = REGISTRY.counter("ap_stream_recoveries_total", "Client recoveries answered")
+recoveries_failed = REGISTRY.counter(
+    "ap_stream_recoveries_failed_total", "Client recoveries answered with recovered:false"
+)
 bus_failures = REGISTRY.counter(
     "ap_bus_subscription_retries_total", "Bus subscription changes that failed and were retried"
 )
+
+
+REPLAY_FRAME_CACHE = 4096
+"""Replayed frames kept for other clients recovering the same events."""
 
 
 class Node:
@@ -69,8 +129,10 @@ class Node:
         bus: Bus,
         presence_backend: PresenceBackend,
         authenticator: Authenticator,
+        streams: Streams,
     ) -> None:
         self.settings = settings
+        self.streams = streams
         self.node_id = settings.node_id
         self.store = store
         self.bus = bus
@@ -85,6 +147,16 @@ class Node:
         self.by_game: dict[GameKey, set[Session]] = {}
         self.legacy: set[Session] = set()
         self.presence_watchers: set[Session] = set()
+        # Stream speakers among a stream's recipients on this node: the rest share
+        # one frame per event on the fast path.
+        self.speakers: dict[str, set[Session]] = {}
+        self.cursors: dict[str, StreamCursor] = {}
+        # Streams whose hole is being filled from history -> events that arrived meanwhile.
+        self._repairing: dict[str, list[tuple[PositionedData, Broadcast]]] = {}
+        self._reads: dict[tuple[str, int], asyncio.Future[HistoryRead[Broadcast]]] = {}
+        # Replayed frames, shared by every client recovering the same events.
+        self._replay_frames: OrderedDict[tuple[str, str, int, bool], Frame] = OrderedDict()
+        self._background: set[asyncio.Task[None]] = set()
         self._outbox_limit = settings.outbox_limit_bytes
         self._topics: CoalescingFlusher[str, bool] = CoalescingFlusher(
             "bus-topics", self._apply_topics, lambda _old, new: new, bus_failures
@@ -113,6 +185,7 @@ class Node:
         if stale:
             log.info("deleted %d connection rows left by an earlier run of %s", stale, self.node_id)
         await self.presence_backend.start()
+        await self.streams.start()
         await self.bus.start(self._on_bus_message)
         await self.bus.subscribe(NODE_TOPICS)
         self.view.reset(await self.presence_backend.committed())
@@ -146,7 +219,10 @@ class Node:
         await self.registry.close()
         with contextlib.suppress(Exception):
             await self.store.delete_endpoint_connections(self.node_id)
+        for task in list(self._background):
+            task.cancel()
         await self.bus.close()
+        await self.streams.close()
         await self.presence_backend.close()
         await self.store.close()
 
@@ -175,6 +251,7 @@ class Node:
             return
         if session not in self.sessions:
             return  # closed while the token was checked
+        kept: _KeptState = ({}, {})
         if session.subscribed:
             if session.user_id != identity.user_id:
                 session.send_error(
@@ -183,6 +260,7 @@ class Node:
                     self._outbox_limit,
                 )
                 return
+            kept = _kept_state(session, None)
             self._unindex(session)
             self.local_presence.remove(identity.user_id, session.invisible)
         session.user_id = identity.user_id
@@ -191,7 +269,10 @@ class Node:
         session.watch_version = action.watch_version
         session.watching = action.games if action.games is not None else frozenset()
         session.row_ttl = ttl_from_now()
+        if action.since is not None and session.positions is None:
+            session.positions = {}
         self._index(session)
+        _restore_state(session, kept)
         self.local_presence.add(identity.user_id, session.invisible)
         self._queue_reports()
         self.registry.put(self._record(session))
@@ -199,14 +280,24 @@ class Node:
             # The snapshot and this session's place among delta recipients are
             # taken in the same loop turn, so it misses no delta after the snapshot.
             session.send(self.view.snapshot_frame(), self._outbox_limit)
+        if action.since is not None:
+            await self.recover(session, action.since)
 
-    def watch(self, session: Session, games: frozenset[GameKey]) -> None:
+    async def watch(
+        self, session: Session, games: frozenset[GameKey], since: Since | None = None
+    ) -> None:
+        kept = _kept_state(session, {game_stream(key) for key in games & session.watching})
         self._unindex_games(session)
+        if since is not None and session.positions is None:
+            session.positions = {}
         session.watching = games
         session.watch_version = 1
         self._index_games(session)
+        _restore_state(session, kept)
         session.row_ttl = ttl_from_now()
         self.registry.watch(session.connection_id, games, 1, session.row_ttl)
+        if since is not None:
+            await self.recover(session, since)
 
     def _record(self, session: Session) -> ConnectionRecord:
         assert session.user_id is not None
@@ -239,20 +330,48 @@ class Node:
 
     def _index(self, session: Session) -> None:
         assert session.user_id is not None
-        self.by_user.setdefault(session.user_id, set()).add(session)
+        tabs = self.by_user.get(session.user_id)
+        if tabs is None:
+            tabs = self.by_user[session.user_id] = set()
+            # Per-user channels: this node hears only the users it holds.
+            self._topics.put(user_stream(session.user_id), True)
+        tabs.add(session)
+        if session.speaks_streams:
+            self._add_speaker(user_stream(session.user_id), session)
         if session.wants_presence:
             self.presence_watchers.add(session)
         self._index_games(session)
 
     def _unindex(self, session: Session) -> None:
         assert session.user_id is not None
+        stream = user_stream(session.user_id)
         users = self.by_user.get(session.user_id)
         if users is not None:
             users.discard(session)
             if not users:
                 del self.by_user[session.user_id]
+                self._topics.put(stream, False)
+                self._forget_stream(stream)
+        self._drop_speaker(stream, session)
         self.presence_watchers.discard(session)
         self._unindex_games(session)
+
+    def _add_speaker(self, stream: str, session: Session) -> None:
+        self.speakers.setdefault(stream, set()).add(session)
+
+    def _drop_speaker(self, stream: str, session: Session) -> None:
+        speakers = self.speakers.get(stream)
+        if speakers is not None:
+            speakers.discard(session)
+            if not speakers:
+                del self.speakers[stream]
+        session.recovering.pop(stream, None)
+        if session.positions is not None:
+            session.positions.pop(stream, None)
+
+    def _forget_stream(self, stream: str) -> None:
+        """Nobody here holds the stream any more: its cursor would only go stale."""
+        self.cursors.pop(stream, None)
 
     def _index_games(self, session: Session) -> None:
         if session.legacy:
@@ -260,12 +379,15 @@ class Node:
                 self._topics.put(ALL_GAMES, True)
             self.legacy.add(session)
             return
+        speaks = session.speaks_streams
         for key in session.watching:
             watchers = self.by_game.get(key)
             if watchers is None:
                 watchers = self.by_game[key] = set()
                 self._topics.put(game_topic(key), True)
             watchers.add(session)
+            if speaks:
+                self._add_speaker(game_stream(key), session)
 
     def _unindex_games(self, session: Session) -> None:
         if session in self.legacy:
@@ -274,6 +396,8 @@ class Node:
                 self._topics.put(ALL_GAMES, False)
             return
         for key in session.watching:
+            stream = game_stream(key)
+            self._drop_speaker(stream, session)
             watchers = self.by_game.get(key)
             if watchers is None:
                 continue
@@ -281,6 +405,7 @@ class Node:
             if not watchers:
                 del self.by_game[key]
                 self._topics.put(game_topic(key), False)
+                self._forget_stream(stream)
 
     async def _apply_topics(self, batch: dict[str, bool]) -> dict[str, bool]:
         wanted = [topic for topic, on in batch.items() if on]
@@ -316,47 +441,374 @@ class Node:
 
     # --- events -------------------------------------------------------------
 
-    async def publish(self, message: Broadcast) -> None:
-        """The one door into the cluster for game events and admin broadcasts."""
+    async def publish(self, message: Broadcast) -> dict[str, Position]:
+        """The one door into the cluster for every event; returns the positions taken.
+
+        ``game``/``chat`` take the next position of ``game:<meta>#<id>`` (and
+        reach legacy clients through the ``games`` topic in the same step); a
+        ``UserEvent`` takes one in each addressed ``user:<id>``; ``test`` has no
+        stream. When the bus is down, the event is delivered on this node only,
+        unpositioned, and no positions are returned.
+        """
         events_published.inc()
         data = encode_envelope(message)
         event = message.event
-        if isinstance(event, GameEvent):
-            await self.bus.publish(game_topic(event.key), data)
-            await self.bus.publish(ALL_GAMES, data)
-        else:
+        if isinstance(event, AdminTest):
             await self.bus.publish(ADMIN, data)
+            return {}
+        if isinstance(event, GameEvent):
+            stream = game_stream(event.key)
+            items: list[Append] = [(stream, data, (game_topic(event.key), ALL_GAMES))]
+        else:
+            items = [(user_stream(u), data, (user_stream(u),)) for u in event.users]
+        try:
+            positions = await self.streams.append_many(items)
+        except Exception:
+            if self.bus.connected:
+                raise
+            # Redis is away: nobody can assign positions, but this node's own
+            # clients still hear of the event (they are told to refetch later).
+            log.warning("streams unreachable: %s delivered on this node only", event.verb)
+            for stream, _, _ in items:
+                self._deliver_unpositioned(stream, message)
+            return {}
+        return {stream: position for (stream, _, _), position in zip(items, positions, strict=True)}
 
     def _on_bus_message(self, topic: str, data: bytes) -> None:
         events_received.inc()
         try:
+            if is_positioned(data):
+                positioned = decode_positioned(data)
+                envelope = decode_envelope(positioned.data)
+                if isinstance(envelope, Broadcast):
+                    self._on_stream_event(topic, positioned, envelope)
+                return
             envelope = decode_envelope(data)
         except EnvelopeError as exc:
             bad_envelopes.inc()
             log.warning("dropped envelope on %s: %s", topic, exc)
             return
         if isinstance(envelope, Broadcast):
-            self._route(topic, envelope)
+            if isinstance(envelope.event, AdminTest):
+                self._route_admin(envelope)
         elif isinstance(envelope, PresenceDelta) and topic == PRESENCE:
             self._deltas.put_nowait(envelope)
         elif isinstance(envelope, PresenceHint) and topic == PRESENCE_HINTS:
             self.writer.hint(envelope.user_ids, envelope.changed_at)
 
-    def _route(self, topic: str, message: Broadcast) -> None:
-        event = message.event
-        recipients: set[Session] | list[Session]
-        if isinstance(event, AdminTest):
-            recipients = [s for s in self.sessions if s.subscribed]
-        elif topic == ALL_GAMES:
-            recipients = self.legacy
-        elif topic.startswith(GAME_PREFIX) and topic == game_topic(event.key):
-            recipients = self.by_game.get(event.key, set())
-        else:
-            return
+    def _route_admin(self, message: Broadcast) -> None:
+        recipients: list[Session] = [s for s in self.sessions if s.subscribed]
         if message.exclude:
             recipients = [s for s in recipients if s.user_id not in message.exclude]
         if recipients:
+            send_frame(recipients, Frame(message.event), self._outbox_limit)
+
+    def _on_stream_event(self, topic: str, positioned: PositionedData, message: Broadcast) -> None:
+        event = message.event
+        if topic == ALL_GAMES:
+            # Legacy clients: every game event, positioned but never tracked.
+            if isinstance(event, GameEvent) and self.legacy:
+                frame = Frame(
+                    Positioned(event, game_stream(event.key), positioned.epoch, positioned.offset)
+                )
+                recipients = self._not_excluded(self.legacy, message.exclude)
+                send_frame(recipients, frame, self._outbox_limit)
+            return
+        if isinstance(event, GameEvent):
+            if topic != game_topic(event.key):
+                return
+        elif not isinstance(event, UserEvent) or stream_user(topic) is None:
+            return
+        pending = self._repairing.get(topic)
+        if pending is not None:
+            pending.append((positioned, message))
+            return
+        self._step(topic, positioned, message, repairing=False)
+
+    def _step(
+        self, stream: str, positioned: PositionedData, message: Broadcast, *, repairing: bool
+    ) -> None:
+        """Deliver one event in stream order, or start filling the hole before it."""
+        epoch, offset = positioned.epoch, positioned.offset
+        cursor = self.cursors.get(stream)
+        if cursor is None:
+            if not self._holds(stream):
+                return  # a message in flight after the last watcher left
+            cursor = self.cursors[stream] = StreamCursor()
+        step = cursor.step(epoch, offset)
+        if step is Step.DUPLICATE:
+            return
+        if step is Step.GAP:
+            stream_gaps.inc()
+            if not repairing:
+                self._repairing[stream] = [(positioned, message)]
+                self._spawn(self._repair(stream), f"repair {stream}")
+                return
+            # The history could not fill it: the watchers must refetch.
+            self._lost(stream, epoch, offset - 1)
+        elif step is Step.NEW_EPOCH:
+            self._lost(stream, epoch, offset - 1)
+        cursor.advance(epoch, offset)
+        self._deliver(stream, epoch, offset, message)
+
+    def _holds(self, stream: str) -> bool:
+        game = stream_game(stream)
+        if game is not None:
+            return game in self.by_game
+        user = stream_user(stream)
+        return user is not None and user in self.by_user
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _repair(self, stream: str) -> None:
+        """Fill a hole from history, then deliver what arrived meanwhile, in order."""
+        cursor = self.cursors.get(stream)
+        history: HistoryRead[Broadcast] | None = None
+        if cursor is not None:
+            try:
+                history = await self._read(stream, cursor.offset)
+            except Exception as exc:
+                log.warning("history of %s unreadable, its watchers must refetch: %s", stream, exc)
+        pending = self._repairing.pop(stream, [])
+        cursor = self.cursors.get(stream)
+        if cursor is None:
+            return  # nobody here holds the stream any more
+        if history is not None:
+            entries = history.entries
+            if history.epoch != cursor.epoch or (entries and entries[0][0] > cursor.offset + 1):
+                # The hole is gone from history (or the stream has a new epoch):
+                # the watchers must refetch, from just before what history still
+                # holds, so that everyone still hears every event it has.
+                base = entries[0][0] - 1 if entries else history.top
+                self._lost(stream, history.epoch, base)
+                cursor.advance(history.epoch, base)
+            elif not entries and cursor.offset < history.top:
+                self._lost(stream, history.epoch, history.top)
+                cursor.advance(history.epoch, history.top)
+            for offset, envelope in entries:
+                if offset == cursor.offset + 1:
+                    stream_repaired.inc()
+                    cursor.advance(history.epoch, offset)
+                    self._deliver(stream, history.epoch, offset, envelope)
+        # Arrival order is stream order (Redis publishes a stream's events in order).
+        for positioned, message in pending:
+            self._step(stream, positioned, message, repairing=True)
+
+    async def _read(self, stream: str, after: int) -> HistoryRead[Broadcast]:
+        """Read and decode a stream's history; concurrent reads of the same range
+        (a reconnect storm) share one round trip and one decoding."""
+        key = (stream, after)
+        shared = self._reads.get(key)
+        if shared is None:
+            shared = asyncio.ensure_future(self._read_decoded(stream, after))
+            self._reads[key] = shared
+            shared.add_done_callback(self._read_done(key))
+        return await asyncio.shield(shared)
+
+    def _read_done(
+        self, key: tuple[str, int]
+    ) -> Callable[[asyncio.Future[HistoryRead[Broadcast]]], None]:
+        def done(future: asyncio.Future[HistoryRead[Broadcast]]) -> None:
+            self._reads.pop(key, None)
+            if not future.cancelled():
+                future.exception()  # retrieved here: every waiter may have gone
+
+        return done
+
+    async def _read_decoded(self, stream: str, after: int) -> HistoryRead[Broadcast]:
+        history = await self.streams.read(stream, after)
+        return HistoryRead(history.epoch, history.top, tuple(_decode_entries(history.entries)))
+
+    def _recipients(self, stream: str) -> set[Session]:
+        game = stream_game(stream)
+        if game is not None:
+            return self.by_game.get(game, set())
+        user = stream_user(stream)
+        return self.by_user.get(user, set()) if user is not None else set()
+
+    @staticmethod
+    def _not_excluded(
+        sessions: set[Session], exclude: frozenset[str]
+    ) -> set[Session] | list[Session]:
+        if not exclude:
+            return sessions
+        return [s for s in sessions if s.user_id not in exclude]
+
+    def _deliver(self, stream: str, epoch: str, offset: int, message: Broadcast) -> None:
+        recipients = self._recipients(stream)
+        if not recipients:
+            return
+        event = message.event
+        assert isinstance(event, GameEvent | UserEvent)
+        frame = Frame(Positioned(event, stream, epoch, offset))
+        speakers = self.speakers.get(stream)
+        if speakers is None:
+            # The fast path: nobody here speaks streams on this one.
+            send_frame(self._not_excluded(recipients, message.exclude), frame, self._outbox_limit)
+            return
+        plain = recipients - speakers
+        if plain:
+            send_frame(self._not_excluded(plain, message.exclude), frame, self._outbox_limit)
+        skip: Frame | None = None
+        for session in speakers:
+            buffer = session.recovering.get(stream)
+            if buffer is not None:
+                buffer.append((epoch, offset, message))
+                continue
+            positions = session.positions
+            assert positions is not None
+            last = positions.get(stream)
+            if last is not None and last[0] == epoch and offset <= last[1]:
+                continue  # already sent by its replay
+            positions[stream] = (epoch, offset)
+            if session.user_id in message.exclude:
+                if skip is None:
+                    skip = Frame(Skip(stream, epoch, offset))
+                session.send(skip, self._outbox_limit)
+            else:
+                session.send(frame, self._outbox_limit)
+
+    def _deliver_unpositioned(self, stream: str, message: Broadcast) -> None:
+        event = message.event
+        recipients = self._not_excluded(self._recipients(stream), message.exclude)
+        if isinstance(event, GameEvent) and self.legacy:
+            recipients = [*recipients, *self._not_excluded(self.legacy, message.exclude)]
+        if recipients:
             send_frame(recipients, Frame(event), self._outbox_limit)
+
+    def _lost(self, stream: str, epoch: str, top: int) -> None:
+        """This node cannot prove continuity on ``stream``: its speakers must refetch."""
+        stream_losses.inc()
+        frame = Frame(Recovered(stream, False, epoch, top))
+        for session in self.speakers.get(stream, ()):
+            if stream in session.recovering:
+                continue  # its own recovery sees the same hole in its buffer
+            assert session.positions is not None
+            session.positions[stream] = (epoch, top)
+            session.send(frame, self._outbox_limit)
+
+    def check_streams(self) -> None:
+        """The bus reconnected: events of any held stream may have been lost
+        meanwhile, so compare each cursor with its stream's top and repair."""
+        for stream in list(self.cursors):
+            if stream not in self._repairing:
+                self._repairing[stream] = []
+                self._spawn(self._repair(stream), f"check {stream}")
+
+    # --- recovery -----------------------------------------------------------
+
+    def _entitled(self, session: Session, stream: str) -> bool:
+        game = stream_game(stream)
+        if game is not None:
+            return game in session.watching
+        return stream_user(stream) == session.user_id
+
+    async def recover(self, session: Session, since: Since) -> None:
+        """Answer ``since``: per entitled stream, the missed events then ``recovered``.
+
+        The session buffers live events of a stream from before the history
+        read until its replay is sent (in one loop turn, with the buffer), so
+        the switch from replay to live loses and duplicates nothing.
+        """
+        wanted: list[tuple[str, Position]] = []
+        for stream, position in since.items():
+            if self._entitled(session, stream):
+                session.recovering[stream] = []
+                wanted.append((stream, position))
+            else:
+                session.send_error(
+                    ErrorCode.STREAM_NOT_ALLOWED,
+                    f"not entitled to stream {stream[:80]!r}: watch the game first, "
+                    "or name your own user stream",
+                    self._outbox_limit,
+                )
+        # Hear every stream of the session before answering, and before reading
+        # any history: then history and live together cover everything
+        # (docs/protocol.md, "Recovery"), and a stream speaker's next request is
+        # handled only once its live streams are in place.
+        assert session.user_id is not None
+        streams = {game_stream(key) for key in session.watching}
+        streams.add(user_stream(session.user_id))
+        try:
+            await self.bus.subscribe(sorted(streams))
+        except Exception as exc:
+            log.warning("subscribe before recovery failed: %s", exc)
+        if not wanted:
+            return
+        reads = await asyncio.gather(
+            *(self._read(stream, position.offset) for stream, position in wanted),
+            return_exceptions=True,
+        )
+        for (stream, position), history in zip(wanted, reads, strict=True):
+            buffered = session.recovering.pop(stream, None)
+            if buffered is None:
+                continue  # the session stopped watching meanwhile
+            self._answer(session, stream, position, history, buffered)
+
+    def _answer(
+        self,
+        session: Session,
+        stream: str,
+        since: Position,
+        history: HistoryRead[Broadcast] | BaseException,
+        buffered: list[tuple[str, int, Broadcast]],
+    ) -> None:
+        recoveries.inc()
+        positions = session.positions
+        assert positions is not None
+        if isinstance(history, BaseException):
+            log.warning("history of %s unreadable during recovery: %s", stream, history)
+            recoveries_failed.inc()
+            epoch, top = (buffered[0][0], buffered[0][1] - 1) if buffered else (since.epoch, 0)
+            session.send(Frame(Recovered(stream, False, epoch, top)), self._outbox_limit)
+            positions[stream] = (epoch, top)
+            self._send_buffered(session, stream, epoch, top, buffered)
+            return
+        plan = merge_recovery(since, history, buffered)
+        for offset, message in plan.events:
+            self._send_one(session, stream, plan.epoch, offset, message)
+        if not plan.recovered:
+            recoveries_failed.inc()
+        session.send(
+            Frame(Recovered(stream, plan.recovered, plan.epoch, plan.offset)), self._outbox_limit
+        )
+        positions[stream] = (plan.epoch, plan.offset)
+        if not plan.recovered:
+            self._send_buffered(session, stream, plan.epoch, plan.offset, buffered)
+
+    def _send_buffered(
+        self,
+        session: Session,
+        stream: str,
+        epoch: str,
+        top: int,
+        buffered: list[tuple[str, int, Broadcast]],
+    ) -> None:
+        for live_epoch, offset, message in buffered:
+            if live_epoch == epoch and offset > top:
+                self._send_one(session, stream, epoch, offset, message)
+
+    def _send_one(
+        self, session: Session, stream: str, epoch: str, offset: int, message: Broadcast
+    ) -> None:
+        assert session.positions is not None
+        session.positions[stream] = (epoch, offset)
+        skip = session.user_id in message.exclude
+        key = (stream, epoch, offset, skip)
+        frame = self._replay_frames.get(key)
+        if frame is None:
+            event = message.event
+            assert isinstance(event, GameEvent | UserEvent)
+            frame = Frame(
+                Skip(stream, epoch, offset) if skip else Positioned(event, stream, epoch, offset)
+            )
+            self._replay_frames[key] = frame
+            if len(self._replay_frames) > REPLAY_FRAME_CACHE:
+                self._replay_frames.popitem(last=False)
+        session.send(frame, self._outbox_limit)
 
     async def _delta_loop(self) -> None:
         while True:
@@ -398,3 +850,37 @@ class Node:
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
         send_frame(self.presence_watchers, self.view.snapshot_frame(), self._outbox_limit)
+
+
+def _decode_entries(entries: tuple[tuple[int, bytes], ...]) -> list[tuple[int, Broadcast]]:
+    """History entries as messages; one that cannot be read ends the run (a hole)."""
+    decoded: list[tuple[int, Broadcast]] = []
+    for offset, data in entries:
+        try:
+            envelope = decode_envelope(data)
+        except EnvelopeError:
+            break
+        if not isinstance(envelope, Broadcast):
+            break
+        decoded.append((offset, envelope))
+    return decoded
+
+
+_KeptState = tuple[dict[str, tuple[str, int]], dict[str, list[tuple[str, int, Broadcast]]]]
+
+
+def _kept_state(session: Session, streams: set[str] | None) -> _KeptState:
+    """A session's stream positions and buffers for ``streams`` (None: all), so
+    that re-indexing it (a new watch set, a second subscribe) forgets nothing."""
+    positions = session.positions or {}
+    return (
+        {s: p for s, p in positions.items() if streams is None or s in streams},
+        {s: b for s, b in session.recovering.items() if streams is None or s in streams},
+    )
+
+
+def _restore_state(session: Session, kept: _KeptState) -> None:
+    positions, recovering = kept
+    if session.positions is not None:
+        session.positions.update(positions)
+    session.recovering.update(recovering)

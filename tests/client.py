@@ -76,6 +76,7 @@ class Client:
         watch_version: int | None = 1,
         wants_presence: bool = True,
         token: str | None = None,
+        since: dict[str, Any] | None = None,
     ) -> None:
         message: dict[str, Any] = {
             "action": "subscribe",
@@ -88,6 +89,8 @@ class Client:
             message["games"] = [{"meta": m, "id": g} for m, g in games]
         if not wants_presence:
             message["wantsPresence"] = False
+        if since is not None:
+            message["since"] = since
         snapshots = self.presence.snapshots
         await self.send(message)
         if wants_presence:
@@ -95,8 +98,37 @@ class Client:
         else:
             await self.barrier()
 
-    async def watch(self, games: list[tuple[str, str]]) -> None:
-        await self.send({"action": "watchGames", "games": [{"meta": m, "id": g} for m, g in games]})
+    async def watch(
+        self, games: list[tuple[str, str]], *, since: dict[str, Any] | None = None
+    ) -> None:
+        message: dict[str, Any] = {
+            "action": "watchGames",
+            "games": [{"meta": m, "id": g} for m, g in games],
+        }
+        if since is not None:
+            message["since"] = since
+        await self.send(message)
+
+    def on_stream(self, stream: str) -> list[dict[str, Any]]:
+        """Positioned frames (events and skips) of ``stream``, in arrival order."""
+        return [m for m in self.messages if m.get("stream") == stream]
+
+    def offsets(self, stream: str) -> list[int]:
+        return [m["offset"] for m in self.on_stream(stream)]
+
+    def recovered(self, stream: str) -> list[dict[str, Any]]:
+        return [
+            m["payload"]
+            for m in self.messages
+            if m.get("verb") == "recovered" and m["payload"]["stream"] == stream
+        ]
+
+    async def wait_recovered(
+        self, stream: str, count: int = 1, within: float = 5.0
+    ) -> dict[str, Any]:
+        """The ``count``-th ``recovered`` answer for ``stream``."""
+        await self.wait_for(lambda: len(self.recovered(stream)) >= count, within)
+        return self.recovered(stream)[count - 1]
 
     async def barrier(self) -> None:
         """Returns once the server has handled everything sent before it."""

@@ -26,9 +26,20 @@ async def quiet(client: Client, verb: str, wait: float = 0.3) -> bool:
 async def test_targeted_watchers_get_only_their_games(server: RunningServer) -> None:
     chess = await server.subscribed("alice", games=[("chess", "g1")])
     go = await server.subscribed("bob", games=[("go", "g2")])
-    assert await server.publish(move("chess", "g1", n=1)) == (202, {"accepted": True})
+    status, reply = await server.publish(move("chess", "g1", n=1))
+    assert status == 202 and isinstance(reply, dict)
+    position = reply["positions"]["game:chess#g1"]
+    assert reply == {"accepted": True, "positions": {"game:chess#g1": position}}
+    assert position["offset"] == 1 and isinstance(position["epoch"], str)
     event = await chess.next_message(lambda m: m["verb"] == "game")
-    assert event == {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 1}}
+    # Old clients read verb and payload; the stream position is additive.
+    assert event == {
+        "verb": "game",
+        "payload": {"meta": "chess", "id": "g1", "n": 1},
+        "stream": "game:chess#g1",
+        "epoch": position["epoch"],
+        "offset": 1,
+    }
     assert await quiet(go, "game")
 
 
@@ -108,7 +119,7 @@ async def test_the_frame_is_encoded_once_for_many_recipients(
     await server.publish(move("chess", "g1"))
     for watcher in watchers:
         await watcher.next_message(lambda m: m["verb"] == "game")
-    assert [type(m).__name__ for m in calls].count("GameEvent") == 1
+    assert [type(m).__name__ for m in calls].count("Positioned") == 1
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Any
 
 from server.bus.base import MessageHandler
 
@@ -13,6 +14,9 @@ class MemoryHub:
 
     def __init__(self) -> None:
         self.subscribers: dict[str, set[MemoryBus]] = {}
+        # Stream positions and history (server.bus.streams.MemoryStreams), shared
+        # by every MemoryStreams on this hub as Redis keys are by every node.
+        self.streams: dict[str, Any] = {}
 
 
 class MemoryBus:
@@ -20,6 +24,10 @@ class MemoryBus:
         self._hub = hub if hub is not None else MemoryHub()
         self._handler: MessageHandler | None = None
         self._topics: set[str] = set()
+
+    @property
+    def hub(self) -> MemoryHub:
+        return self._hub
 
     @property
     def connected(self) -> bool:
@@ -33,6 +41,10 @@ class MemoryBus:
         self._handler = None
 
     async def publish(self, topic: str, data: bytes) -> None:
+        self.publish_now(topic, data)
+
+    def publish_now(self, topic: str, data: bytes) -> None:
+        """``publish`` without a suspension point, for callers that must not yield."""
         loop = asyncio.get_running_loop()
         for bus in self._hub.subscribers.get(topic, ()):
             # Deliver on a later loop turn, in order, as a network bus would.

@@ -88,7 +88,9 @@ def channel_for(topic: str) -> str:
     return "ap:{" + topic + "}"
 
 
-def make_client(url: str, *, retries: int = 1, max_connections: int = 32) -> aioredis.Redis:
+def make_client(
+    url: str, *, retries: int = 1, max_connections: int = 32, client_name: str | None = None
+) -> aioredis.Redis:
     """A command client that fails fast instead of hanging while Redis is away.
 
     Callers beyond ``max_connections`` wait for a free connection (up to the
@@ -102,6 +104,7 @@ def make_client(url: str, *, retries: int = 1, max_connections: int = 32) -> aio
         socket_timeout=5.0,
         health_check_interval=0,
         retry=Retry(NoBackoff(), retries),
+        client_name=client_name,
     )
     client: aioredis.Redis = aioredis.Redis.from_pool(pool)
     return client
@@ -117,6 +120,7 @@ class RedisBus:
         connect_timeout: float = 30.0,
         keepalive: float = 5.0,
         max_backoff: float = 2.0,
+        name: str | None = None,
     ) -> None:
         self.url = url
         self._connect_timeout = connect_timeout
@@ -126,7 +130,10 @@ class RedisBus:
         self._client = make_client(url, retries=1)
         # No retries on the subscriber: a failure must surface so that the
         # reader starts a fresh connection and the node learns it missed messages.
-        self._sub_client = make_client(url, retries=0)
+        # Named (``ap-sub:<node>``) so an operator, or a test, can find it in CLIENT LIST.
+        self._sub_client = make_client(
+            url, retries=0, client_name=f"ap-sub:{name}" if name else None
+        )
         self._handler: MessageHandler | None = None
         self._topics: set[str] = set()
         self._by_channel: dict[bytes, str] = {}
@@ -215,10 +222,13 @@ class RedisBus:
                 self._by_channel[channel_for(topic).encode()] = topic
                 added.append(topic)
         pubsub = self._pubsub
-        if not added or pubsub is None:
+        if pubsub is None:
             return  # a reconnect subscribes every current topic
         try:
-            await pubsub.subscribe(*[channel_for(topic) for topic in added])
+            if added:
+                await pubsub.subscribe(*[channel_for(topic) for topic in added])
+            # Even with nothing new, wait: a SUBSCRIBE sent by another caller
+            # for these topics is confirmed once this barrier is.
             await self._barrier(pubsub)
         except (RedisError, OSError) as exc:
             log.debug("subscribe deferred to the next reconnect: %s", exc)

@@ -35,8 +35,8 @@ import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -53,13 +53,17 @@ from server.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 shard_losses = REGISTRY.counter(
     "ap_bus_shard_losses_total", "Times a Redis Cluster shard subscription connection was lost"
 )
 publish_retries = REGISTRY.counter(
-    "ap_bus_publish_retries_total", "SPUBLISH attempts retried during a cluster topology change"
+    "ap_bus_failover_retries_total",
+    "Redis Cluster commands (SPUBLISH, stream appends) retried during a failover",
 )
 
+FAILOVER_RETRY_S = 0.1
 MAX_CONNECTIONS = 64
 """Per cluster node. redis-py's cluster pool raises instead of waiting when it
 is exhausted, so the bus bounds its own concurrency below it."""
@@ -93,6 +97,25 @@ def make_cluster_client(url: str, *, max_connections: int = MAX_CONNECTIONS) -> 
     )
 
 
+async def through_failover(
+    call: Callable[[], Awaitable[T]], deadline: float, closing: Callable[[], bool] = lambda: False
+) -> T:
+    """Run ``call``, retrying while a shard fails over, until ``time.monotonic() > deadline``.
+
+    A killed primary refuses connections until its replica is promoted (about
+    ``cluster-node-timeout`` plus an election); redis-py then finds the new
+    owner by itself. Retrying turns the failover into a delay, not a loss.
+    """
+    while True:
+        try:
+            return await call()
+        except (RedisError, OSError):
+            if closing() or time.monotonic() + FAILOVER_RETRY_S > deadline:
+                raise
+            publish_retries.inc()
+            await asyncio.sleep(FAILOVER_RETRY_S)
+
+
 def _by_slot(channels: Iterable[str]) -> list[list[str]]:
     """One ``SSUBSCRIBE`` may name channels of one slot only."""
     groups: dict[int, list[str]] = defaultdict(list)
@@ -114,6 +137,7 @@ class _Shard:
         self.redis = aioredis.Redis(
             host=host,
             port=port,
+            client_name=bus.client_name,
             socket_connect_timeout=1.0,
             socket_timeout=None,
             health_check_interval=0,
@@ -254,13 +278,16 @@ class RedisClusterBus:
         keepalive: float = 5.0,
         max_backoff: float = 1.0,
         publish_deadline: float = 10.0,
+        name: str | None = None,
     ) -> None:
         startup_nodes(url)  # fail on a bad URL now, not in the reader
         self.url = url
+        # Named (``ap-sub:<node>``) so an operator, or a test, can find it in CLIENT LIST.
+        self.client_name = f"ap-sub:{name}" if name else None
         self.keepalive = keepalive
         self._connect_timeout = connect_timeout
         self._max_backoff = max_backoff
-        self._publish_deadline = publish_deadline
+        self.publish_deadline = publish_deadline
         self._client = make_cluster_client(url)
         self._publishing = asyncio.Semaphore(MAX_CONNECTIONS // 2)
         self._handler: MessageHandler | None = None
@@ -335,20 +362,17 @@ class RedisClusterBus:
 
     async def publish(self, topic: str, data: bytes) -> None:
         channel = channel_for(topic)
-        deadline = time.monotonic() + self._publish_deadline
-        while not self._closing:
-            try:
-                async with self._publishing:
-                    await self._client.spublish(channel, data)
-                return
-            except (RedisError, OSError) as exc:
-                # A failover: the slot's primary is gone until its replica is
-                # promoted. Retry rather than drop; the client refreshes its map.
-                if time.monotonic() + 0.1 > deadline:
-                    log.warning("SPUBLISH on %s failed, delivering here only: %s", topic, exc)
-                    break
-                publish_retries.inc()
-                await asyncio.sleep(0.1)
+
+        async def spublish() -> None:
+            async with self._publishing:
+                await self._client.spublish(channel, data)
+
+        deadline = time.monotonic() + self.publish_deadline
+        try:
+            await through_failover(spublish, deadline, lambda: self._closing)
+            return
+        except (RedisError, OSError) as exc:
+            log.warning("SPUBLISH on %s failed, delivering here only: %s", topic, exc)
         local_only.inc()
         if topic in self._topics:
             asyncio.get_running_loop().call_soon(self._deliver_local, topic, data)

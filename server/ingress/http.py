@@ -13,6 +13,7 @@ import logging
 from aiohttp import web
 
 from protocol.errors import ProtocolError
+from protocol.messages import AdminTest
 from protocol.parse import parse_broadcast
 from server.metrics import REGISTRY
 from server.node import Node
@@ -45,11 +46,17 @@ def build_app(node: Node) -> web.Application:
         except ProtocolError as exc:
             return _json(400, {"error": exc.message, "code": exc.code})
         try:
-            await node.publish(message)
+            positions = await node.publish(message)
         except Exception as exc:
             log.warning("publish failed: %s", exc)
             return _json(503, {"error": "the bus could not take the event"})
-        return _json(202, {"accepted": True})
+        reply: dict[str, object] = {"accepted": True}
+        if not isinstance(message.event, AdminTest):
+            # Empty when Redis was away and only this node's clients heard it.
+            reply["positions"] = {
+                stream: {"epoch": p.epoch, "offset": p.offset} for stream, p in positions.items()
+            }
+        return _json(202, reply)
 
     async def healthz(request: web.Request) -> web.Response:
         return _json(200, {"status": "ok", "node": node.node_id})

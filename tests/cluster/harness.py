@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -200,14 +201,31 @@ class Cluster:
         except (aiohttp.ClientError, TimeoutError):
             return None
 
+    async def metric(self, name: str, metric: str) -> float:
+        """One counter or gauge from node ``name``'s /metrics (0 when absent)."""
+        async with self._session().get(self.nodes[name].http_url + "/metrics") as response:
+            text = await response.text()
+        for line in text.splitlines():
+            if line.startswith(metric + " "):
+                return float(line.split()[1])
+        return 0.0
+
     async def publish(self, name: str, body: dict[str, Any]) -> int:
+        status, _ = await self.publish_reply(name, body)
+        return status
+
+    async def publish_reply(self, name: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST /publish on node ``name``: the status and the decoded JSON reply."""
         async with self._session().post(
             self.nodes[name].http_url + "/publish",
             json=body,
             headers={"Authorization": f"Bearer {PUBLISH_SECRET}"},
         ) as response:
-            await response.read()
-            return response.status
+            text = await response.read()
+            try:
+                return response.status, json.loads(text)
+            except ValueError:
+                return response.status, text.decode(errors="replace")
 
     # --- clients ------------------------------------------------------------
 

@@ -1,0 +1,190 @@
+"""Streams on Redis: one Lua script per event assigns, keeps and publishes.
+
+Keys of a stream ``s`` (``docs/cluster.md``, "Streams"), all under the hash
+tag ``{s}`` of the stream's own channel ``ap:{s}``, so one script touches
+them in one Redis Cluster slot:
+
+- ``ap:{s}:meta``: a hash, ``e`` the epoch and ``s`` the top offset; expires
+  ``meta_ttl`` after the last event;
+- ``ap:{s}:hist``: a Redis stream of the last ``history_size`` events, entry id
+  ``<offset>-0`` and one field ``d`` (the envelope); expires ``history_ttl``
+  after the last event.
+
+``APPEND`` (below) creates the epoch if the meta is gone (a new epoch starts
+at offset 1 and drops any old history), takes the next offset with
+``HINCRBY``, appends with an exact ``MAXLEN``, refreshes both ttls and
+publishes the positioned message on each channel given. Redis runs scripts one
+at a time, so positions are assigned and published in one order for everyone.
+
+On a Redis Cluster (:meth:`RedisStreams.on_cluster`) the script runs on the
+shard of the stream's slot and publishes with ``SPUBLISH`` only on the
+channels of that slot (the stream's own: ``ap:{game:<meta>#<id>}``,
+``ap:{user:<id>}``); a channel of another slot (``ap:{games}``, for legacy
+clients) is published by the caller right after, with the position the script
+returned. A script may not reach into another slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from redis.crc import key_slot
+
+from protocol.envelope import encode_positioned
+from protocol.messages import Position
+from protocol.streams import HistoryRead
+from server.bus.redis_bus import channel_for, make_client
+from server.bus.redis_cluster_bus import RedisClusterBus, through_failover
+from server.bus.streams import DEFAULT_LIMITS, Append, StreamLimits, new_epoch
+from server.cluster_lua import for_bus
+
+APPEND = """
+local epoch = redis.call('HGET', KEYS[1], 'e')
+if not epoch then
+  epoch = ARGV[5]
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[1], 'e', epoch, 's', 0)
+end
+local offset = redis.call('HINCRBY', KEYS[1], 's', 1)
+redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], offset .. '-0', 'd', ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+local message = '\\0' .. epoch .. '\\0' .. offset .. '\\0' .. ARGV[1]
+for i = 6, #ARGV do
+  redis.call('PUBLISH', ARGV[i], message)
+end
+return {epoch, offset}
+"""
+"""KEYS: meta, history. ARGV: envelope, history size, history ttl s, meta ttl s,
+epoch to use if the stream has none, then the channels to publish on."""
+
+READ = """
+local epoch = redis.call('HGET', KEYS[1], 'e')
+if not epoch then
+  epoch = ARGV[3]
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[1], 'e', epoch, 's', 0)
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  return {epoch, 0, {}}
+end
+local top = tonumber(redis.call('HGET', KEYS[1], 's'))
+local after = tonumber(ARGV[1])
+local entries = {}
+if after < top then
+  entries = redis.call('XRANGE', KEYS[2], (after + 1) .. '-0', '+', 'COUNT', ARGV[2])
+end
+return {epoch, top, entries}
+"""
+"""KEYS: meta, history. ARGV: after, most entries, epoch to create if none, meta ttl s.
+Position and entries are read in one step, so they agree."""
+
+
+def meta_key(stream: str) -> str:
+    return "ap:{" + stream + "}:meta"
+
+
+def history_key(stream: str) -> str:
+    return "ap:{" + stream + "}:hist"
+
+
+class RedisStreams:
+    def __init__(
+        self,
+        url: str,
+        limits: StreamLimits = DEFAULT_LIMITS,
+        *,
+        client: Any = None,
+        sharded: bool = False,
+    ) -> None:
+        self.url = url
+        self._limits = limits
+        self._sharded = sharded
+        self._failover_deadline = 10.0
+        self._client = make_client(url, retries=1) if client is None else client
+        self._append = self._client.register_script(for_bus(APPEND, sharded=sharded))
+        self._read = self._client.register_script(READ)
+
+    @classmethod
+    def on_cluster(
+        cls, bus: RedisClusterBus, limits: StreamLimits = DEFAULT_LIMITS
+    ) -> RedisStreams:
+        """Streams on the Redis Cluster of ``bus``, with a command client of their own."""
+        streams = cls(bus.url, limits, client=bus.command_client(), sharded=True)
+        streams._failover_deadline = bus.publish_deadline
+        return streams
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def _append_args(self, stream: str, data: bytes, topics: Sequence[str]) -> list[Any]:
+        limits = self._limits
+        return [
+            data,
+            limits.history_size,
+            max(1, int(limits.history_ttl)),
+            max(1, int(limits.meta_ttl)),
+            new_epoch(),
+            *[channel_for(topic) for topic in topics],
+        ]
+
+    async def append(self, stream: str, data: bytes, topics: Sequence[str]) -> Position:
+        keys = [meta_key(stream), history_key(stream)]
+        if not self._sharded:
+            reply = await self._append(keys, self._append_args(stream, data, topics))
+            return _position(reply)
+        slot = key_slot(keys[0].encode())
+        here = [t for t in topics if key_slot(channel_for(t).encode()) == slot]
+        elsewhere = [t for t in topics if t not in here]
+        args = self._append_args(stream, data, here)
+        deadline = time.monotonic() + self._failover_deadline
+        reply = await through_failover(lambda: self._append(keys, args), deadline)
+        position = _position(reply)
+        if elsewhere:
+            message = encode_positioned(position.epoch, position.offset, data)
+            for topic in elsewhere:
+                publish = partial(self._client.spublish, channel_for(topic), message)
+                await through_failover(publish, deadline)
+        return position
+
+    async def append_many(self, items: Sequence[Append]) -> list[Position]:
+        if self._sharded:
+            # Each item is another stream, so another slot and maybe another
+            # shard: no ordering between them, and no pipeline across slots.
+            return list(await asyncio.gather(*(self.append(*item) for item in items)))
+        if len(items) == 1:
+            stream, data, topics = items[0]
+            return [await self.append(stream, data, topics)]
+        async with self._client.pipeline(transaction=False) as pipe:
+            for stream, data, topics in items:
+                keys = [meta_key(stream), history_key(stream)]
+                await self._append(keys, self._append_args(stream, data, topics), client=pipe)
+            replies = await pipe.execute()
+        return [_position(reply) for reply in replies]
+
+    async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
+        keys = [meta_key(stream), history_key(stream)]
+        limits = self._limits
+        epoch, top, raw = await self._read(
+            keys, [after, limits.history_size, new_epoch(), max(1, int(limits.meta_ttl))]
+        )
+        entries: list[tuple[int, bytes]] = []
+        for entry_id, fields in raw:
+            offset = int(bytes(entry_id).split(b"-", 1)[0])
+            entries.append((offset, bytes(fields[1])))
+        return HistoryRead(_text(epoch), int(top), tuple(entries))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _position(reply: Any) -> Position:
+    epoch, offset = reply
+    return Position(_text(epoch), int(offset))
