@@ -144,7 +144,10 @@ async def test_kill_9_of_the_presence_primary_fails_over_without_a_client_gap(
     hit_game = by_shard[victim]
     calm_game = next(g for p, g in by_shard.items() if p != victim)
     games = [("chess", hit_game), ("chess", calm_game)]
-    observers = [await nodes.client(n, f"obs-{n}", games=games) for n in ("n1", "n2", "n3")]
+    # Stream speakers: each game event carries its offset, so a gap would show.
+    observers = [
+        await nodes.client(n, f"obs-{n}", games=games, since={}) for n in ("n1", "n2", "n3")
+    ]
     kept = await churn(nodes, 6, "before")
     expected = {f"obs-{n}" for n in ("n1", "n2", "n3")} | kept
     for observer in observers:
@@ -192,6 +195,15 @@ async def test_kill_9_of_the_presence_primary_fails_over_without_a_client_gap(
     for observer in observers:
         await observer.wait_for(partial(got_more_than, observer, calm_game, len(calm_sent) - 1), 5)
         assert got(observer, calm_game) == calm_sent
+    # No event was lost in the switch, and none arrived out of order: every
+    # accepted event of the failed-over game, at consecutive offsets.
+    hit_sent = [s for s in sent if s.startswith(hit_game + "-")]
+    stream = f"game:chess#{hit_game}"
+    for observer in observers:
+        await observer.wait_for(partial(got_more_than, observer, hit_game, len(hit_sent) - 1), 5)
+        assert got(observer, hit_game) == hit_sent
+        offsets = observer.offsets(stream)
+        assert offsets == list(range(offsets[0], offsets[0] + len(offsets)))
     assert resumed_after < FAILOVER_BOUND + SLACK
 
 
@@ -235,3 +247,27 @@ async def test_a_whole_cluster_restart(nodes: Cluster) -> None:
             raise AssertionError(f"observer {observers.index(observer)} got {seen}") from None
         for i, (_, game_id) in enumerate(games):
             assert got(observer, game_id) == [f"after-{i}"]
+
+
+async def test_user_streams_are_sharded_channels_on_their_own_shard(nodes: Cluster) -> None:
+    redis = nodes.redis
+    assert isinstance(redis, RedisCluster)
+    tabs = [await nodes.client("n1", "bot1", since={}), await nodes.client("n2", "bot1")]
+    bystander = await nodes.client("n3", "other")
+    channel = channel_for("user:bot1")
+    owner = redis.owner(key_slot(channel.encode()))
+    # Only the two nodes holding bot1 listen, and only on the shard of its slot.
+    await eventually(partial(subscribed_nodes_are, 2, owner, channel), 5, "2 nodes on bot1")
+    for port in redis.primaries():
+        if port != owner:
+            assert shard_subscribers(port, channel) == 0
+    status, reply = await nodes.publish_reply(
+        "n3", {"verb": "yourTurn", "payload": {"meta": "chess", "id": "g1"}, "users": ["bot1"]}
+    )
+    assert status == 202
+    position = reply["positions"]["user:bot1"]
+    for tab in tabs:
+        event = await tab.next_message(lambda m: m["verb"] == "yourTurn", 5 + SLACK)
+        assert (event["stream"], event["offset"]) == ("user:bot1", position["offset"])
+    await bystander.barrier()
+    assert bystander.of_verb("yourTurn") == []
