@@ -41,7 +41,10 @@ HELP = {
     "fanout": "N connections watching M games under publishes: throughput, CPU, latency",
     "presence": "join/leave churn: delta latency to every observer, seq gaps",
     "storm": "K clients connect at once: time until all hold a snapshot, failed connects",
-    "cluster": "fanout and presence over several nodes, Redis and DynamoDB (moto)",
+    "cluster": (
+        "fanout and presence over several nodes, Redis and DynamoDB (moto); the same fanout "
+        "over a 6-instance Redis Cluster, and a primary's kill -9"
+    ),
     "baseline": "the fanout measurement of the minimal websockets.broadcast server alone",
 }
 
@@ -123,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--storm-timeout", type=float, default=60.0)
         if name == "cluster":
             sub.add_argument("--nodes", type=int, default=2)
+            sub.add_argument(
+                "--failover-seconds",
+                type=float,
+                help="events keep flowing this long after a Redis Cluster primary is killed",
+            )
     return parser
 
 
@@ -152,6 +160,7 @@ def options_from(args: argparse.Namespace) -> Options:
         "full_observers",
         "storm_timeout",
         "nodes",
+        "failover_seconds",
         "observers",
     ):
         setattr(options, name, pick(name))
@@ -268,6 +277,8 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
         if name == "cluster":
             for part in ("fanout", "presence"):
                 rows += _server_rows(f"cluster ({figs['nodes']} nodes) {part}", figs[part])
+        elif name == "rcluster":
+            rows += _server_rows(f"Redis Cluster ({figs['nodes']} nodes) fanout", figs["fanout"])
         else:
             rows += _server_rows(name, figs)
     return rows

@@ -170,7 +170,9 @@ async def start_ours(
 ) -> Proc:
     """Our server as a subprocess: ``python -m server serve ...``.
 
-    ``cluster`` is ``(redis_url, dynamodb_endpoint, table)`` for a cluster node.
+    ``cluster`` is ``(redis_url, dynamodb_endpoint, table)`` for a cluster node;
+    a ``redis_url`` naming several ``redis://`` nodes (comma-separated) is a
+    Redis Cluster, passed as ``--redis-cluster-url``.
     """
     ws_port, http_port = free_port(), free_port()
     argv = [
@@ -200,7 +202,8 @@ async def start_ours(
     env = child_env()
     if cluster is not None:
         redis_url, endpoint, table = cluster
-        argv += ["--redis-url", redis_url, "--dynamodb-endpoint", endpoint, "--table", table]
+        flag = "--redis-cluster-url" if "," in redis_url else "--redis-url"
+        argv += [flag, redis_url, "--dynamodb-endpoint", endpoint, "--table", table]
         for key, value in FAKE_AWS.items():
             env.setdefault(key, value)
     argv += extra_args or []

@@ -15,6 +15,7 @@ with persistence off, which is the harder case for the server.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -157,6 +158,19 @@ class RedisCluster:
         """Empty every primary, so a test starts from a cluster without keys."""
         for port in self.primaries():
             redis_cli(port, "flushall")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the live instances (Linux ``/proc``), for the load test."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for instance in self.instances:
+            if instance.process is None or not instance.alive:
+                continue
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{instance.process.pid}/stat", "rb") as stat:
+                    fields = stat.read().rsplit(b")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / ticks
+        return total
 
     # --- state --------------------------------------------------------------
 
