@@ -8,6 +8,7 @@ and the bus contract suite run over the session's shared cluster as well.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
@@ -17,6 +18,7 @@ import pytest
 from redis.crc import key_slot
 
 from server.bus.redis_bus import channel_for
+from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.topics import PRESENCE
 from tests.client import Client
 from tests.cluster.conftest import nodes_on
@@ -271,3 +273,47 @@ async def test_user_streams_are_sharded_channels_on_their_own_shard(nodes: Clust
         assert (event["stream"], event["offset"]) == ("user:bot1", position["offset"])
     await bystander.barrier()
     assert bystander.of_verb("yourTurn") == []
+
+
+async def test_a_frozen_shard_does_not_stall_the_others(own_redis_cluster: RedisCluster) -> None:
+    """SIGSTOP a primary: its sockets stay open and silent, the worst case for a
+    reader that polls shards in turn. Messages on the other shards still arrive
+    at once, because each shard has a reader of its own."""
+    redis = own_redis_cluster
+    redis.wait_ok()
+    topics: dict[int, str] = {}
+    i = 0
+    while len(topics) < 3:
+        topic = f"frozen-{i}"
+        topics.setdefault(redis.owner(key_slot(channel_for(topic).encode())), topic)
+        i += 1
+    arrived: dict[bytes, float] = {}
+    sub, pub = RedisClusterBus(redis.url), RedisClusterBus(redis.url)
+
+    def record(topic: str, data: bytes) -> None:
+        arrived.setdefault(data, time.monotonic())
+
+    await sub.start(record)
+    await pub.start(lambda topic, data: None)
+    frozen = next(iter(topics))
+    process = redis.instance(frozen).process
+    assert process is not None
+    try:
+        await sub.subscribe(topics.values())
+        process.send_signal(signal.SIGSTOP)
+        delays: list[float] = []
+        for n in range(10):
+            for port, topic in topics.items():
+                if port == frozen:
+                    continue
+                token = f"{topic}/{n}".encode()
+                sent = time.monotonic()
+                await pub.publish(topic, token)
+                await eventually(lambda t=token: t in arrived, 2.0, f"{token!r}")  # type: ignore[misc]
+                delays.append(arrived[token] - sent)
+        assert max(delays) < 0.5, f"a healthy shard waited on the frozen one: {max(delays):.3f}s"
+    finally:
+        process.send_signal(signal.SIGCONT)
+        await sub.close()
+        await pub.close()
+        redis.wait_ok()
