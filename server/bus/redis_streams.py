@@ -157,6 +157,8 @@ class RedisStreams:
         if self._sharded:
             # Each item is another stream, so another slot and maybe another
             # shard: no ordering between them, and no pipeline across slots.
+            if len(items) == 1:
+                return [await self.append(*items[0])]
             return list(await asyncio.gather(*(self.append(*item) for item in items)))
         if len(items) == 1:
             stream, data, topics = items[0]
