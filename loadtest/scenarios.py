@@ -35,6 +35,7 @@ from loadtest.runner import (
 )
 from loadtest.servers import Proc, create_table, start_moto, start_ours, start_redis
 from loadtest.stats import Histogram, ratio
+from loadtest.streammem import streammem
 from loadtest.targets import Target, check
 from tests.redis_cluster import start_redis_cluster
 
@@ -884,4 +885,5 @@ SCENARIOS = {
     "storm": storm,
     "cluster": cluster,
     "baseline": baseline,
+    "streammem": streammem,
 }

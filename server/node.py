@@ -652,7 +652,9 @@ class Node:
         plain = recipients - speakers
         if plain:
             send_frame(self._not_excluded(plain, message.exclude), frame, self._outbox_limit)
-        skip: Frame | None = None
+        sends: list[Session] = []
+        skips: list[Session] = []
+        exclude = message.exclude
         for session in speakers:
             buffer = session.recovering.get(stream)
             if buffer is not None:
@@ -664,12 +666,11 @@ class Node:
             if last is not None and last[0] == epoch and offset <= last[1]:
                 continue  # already sent by its replay
             positions[stream] = (epoch, offset)
-            if session.user_id in message.exclude:
-                if skip is None:
-                    skip = Frame(Skip(stream, epoch, offset))
-                session.send(skip, self._outbox_limit)
-            else:
-                session.send(frame, self._outbox_limit)
+            (skips if session.user_id in exclude else sends).append(session)
+        if sends:
+            send_frame(sends, frame, self._outbox_limit)
+        if skips:
+            send_frame(skips, Frame(Skip(stream, epoch, offset)), self._outbox_limit)
 
     def _deliver_unpositioned(self, stream: str, message: Broadcast) -> None:
         event = message.event

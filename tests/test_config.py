@@ -54,6 +54,9 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
         (["--redis-url", "redis://127.0.0.1:1"], {}, "shared store"),
         (["--cognito-issuer", "https://x"], {}, "go together"),
         (["--presence-debounce-ms", "-1"], {}, "negative"),
+        (["--history-size", "0"], {}, "history-size"),
+        (["--history-ttl", "0"], {}, "history-ttl"),
+        (["--history-ttl", "100", "--stream-meta-ttl", "50"], {}, "stream-meta-ttl"),
     ],
 )
 def test_bad_settings_are_refused_clearly(
@@ -61,3 +64,9 @@ def test_bad_settings_are_refused_clearly(
 ) -> None:
     with pytest.raises(SystemExit, match=message):
         parse(argv, environ)
+
+
+def test_stream_limits_come_from_the_settings() -> None:
+    settings = parse(["--history-size", "7"], {"AP_HISTORY_TTL": "60"})
+    limits = settings.stream_limits
+    assert (limits.history_size, limits.history_ttl, limits.meta_ttl) == (7, 60.0, 86400.0)

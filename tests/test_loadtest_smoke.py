@@ -49,6 +49,7 @@ SCENARIOS: dict[str, list[str]] = {
     "storm": ["-n", "20"],
     "presence": ["-n", "20", *PRESENCE],
     "cluster": [*FANOUT, *PRESENCE, "--no-baseline", "--failover-seconds", "4"],
+    "streammem": ["-n", "50"],
 }
 WITH_REPORT = {"fanout", "presence", "storm"}
 
@@ -189,3 +190,13 @@ def test_cluster(outcomes: dict[str, Outcome]) -> None:
     failover = outcome["figures"]["failover"]
     assert failover["accepted"] > 0 and failover["probes"] == 2
     assert failover["resumed_after_s"] > 0  # delivery did resume after the kill
+
+
+def test_streammem(outcomes: dict[str, Outcome]) -> None:
+    figs = _figures(outcomes, "streammem")["redis"]
+    assert figs["streams"] == 50
+    # The history is capped: exactly history_size kept, and no growth past the cap.
+    assert figs["kept_after_cap"] == figs["history_size"]
+    assert figs["top_after_cap"] == figs["history_size"] + 1
+    assert figs["growth_past_cap_bytes_per_stream"] <= 0.05 * figs["bytes_per_stream_full_history"]
+    assert 0 < figs["bytes_per_stream_meta_only"] < figs["bytes_per_stream_full_history"]

@@ -245,3 +245,55 @@ async def eventually_numsub(redis: aioredis.Redis, channel: str, count: int) -> 
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"{channel} never had {count} subscribers")
+
+
+async def test_a_hole_history_cannot_fill_gives_recovered_false_then_live(
+    cluster: Cluster,
+) -> None:
+    cluster.spawn("small", history_size=3)
+    await cluster.wait_ready("small")
+    victim = await watcher_on(cluster, "n2", "victim")
+    for n in range(1, 3):
+        await publish_move(cluster, "small", n)
+    await victim.wait_for(lambda: victim.offsets(CHESS) == [1, 2], 5 + SLACK)
+    redis = aioredis.Redis.from_url(cluster.redis.url)
+    stop = asyncio.Event()
+
+    async def keep_killing() -> None:
+        # Kill n2's subscriber connection as soon as it comes back, for a while.
+        while not stop.is_set():
+            for client in await redis.client_list(_type="pubsub"):
+                if client.get("name") == "ap-sub:n2":
+                    await redis.client_kill_filter(_id=client["id"])
+            await asyncio.sleep(0.01)
+
+    try:
+        killer = asyncio.create_task(keep_killing())
+        await asyncio.sleep(0.3)
+        for n in range(3, 21):
+            await publish_move(cluster, "small", n)
+        stop.set()
+        await killer
+    finally:
+        await redis.aclose()
+    await cluster.wait_ready("n2", within=10)
+    await publish_move(cluster, "small", 21)
+    await victim.wait_for(lambda: victim.offsets(CHESS)[-1:] == [21], 10 + SLACK)
+    lost = await victim.wait_recovered(CHESS)
+    # The node could not fill the hole (history keeps 3): it said so, then went
+    # on with what the history still held. Between announcements the client's
+    # offsets run without a gap or a duplicate, as it would check them.
+    assert lost["recovered"] is False
+    assert_contiguous_with_resets(victim, CHESS)
+
+
+def assert_contiguous_with_resets(client: Client, stream: str) -> None:
+    """Each stream frame is the next offset, where ``recovered: false`` resets it."""
+    last = 0
+    for message in client.messages:
+        if message.get("verb") == "recovered" and message["payload"]["stream"] == stream:
+            assert message["payload"]["offset"] >= last
+            last = message["payload"]["offset"]
+        elif message.get("stream") == stream:
+            assert message["offset"] == last + 1, (last, message)
+            last = message["offset"]
