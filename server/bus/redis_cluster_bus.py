@@ -294,6 +294,7 @@ class RedisClusterBus:
         self._topics: set[str] = set()
         self._by_channel: dict[bytes, str] = {}
         self._shards: dict[str, _Shard] = {}
+        self._home: dict[str, str] = {}  # channel -> name of the shard subscribed to it
         self._lock = asyncio.Lock()  # one subscription change at a time
         self._healthy = asyncio.Event()
         self._connected_since = 0.0
@@ -324,8 +325,7 @@ class RedisClusterBus:
 
     def shard_of(self, topic: str) -> str | None:
         """``host:port`` of the shard this node listens to ``topic`` on (tests, metrics)."""
-        channel = channel_for(topic)
-        return next((s.name for s in self._shards.values() if channel in s.channels), None)
+        return self._home.get(channel_for(topic))
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -352,6 +352,7 @@ class RedisClusterBus:
         for shard in list(self._shards.values()):
             await shard.close()
         self._shards.clear()
+        self._home.clear()
         self._handler = None
         self._topics.clear()
         self._by_channel.clear()
@@ -390,7 +391,7 @@ class RedisClusterBus:
             self._topics.add(topic)
             self._by_channel[channel_for(topic).encode()] = topic
         if added:
-            await self._changed()
+            await self._changed(added)
 
     async def unsubscribe(self, topics: Iterable[str]) -> None:
         removed = [t for t in topics if t in self._topics]
@@ -398,19 +399,19 @@ class RedisClusterBus:
             self._topics.discard(topic)
             self._by_channel.pop(channel_for(topic).encode(), None)
         if removed:
-            await self._changed()
+            await self._changed(removed)
 
-    async def _changed(self) -> None:
+    async def _changed(self, topics: list[str]) -> None:
         if self.connected:
-            await self._apply()
+            await self._apply([channel_for(t) for t in topics])
         else:
             self._dirty = True  # the repair under way picks them up
 
-    async def _apply(self) -> None:
-        """Bring the live shards in line with the topics; a failure starts a repair."""
+    async def _apply(self, channels: list[str]) -> None:
+        """Bring the live shards in line for ``channels``; a failure starts a repair."""
         try:
             async with self._lock:
-                backlogs = await self._reconcile()
+                backlogs = await self._reconcile(channels)
             for shard, backlog in backlogs:
                 for message in backlog:
                     shard.dispatch(message)
@@ -419,42 +420,70 @@ class RedisClusterBus:
             log.debug("subscription change deferred to the repair: %s", exc)
             self._start_repair(exc)
 
-    async def _reconcile(self) -> list[tuple[_Shard, list[dict[str, Any]]]]:
-        """Place every channel on the primary that owns its slot now.
+    async def _reconcile(
+        self, changed: Iterable[str] | None = None
+    ) -> list[tuple[_Shard, list[dict[str, Any]]]]:
+        """Place channels on the primary that owns their slot now: those in
+        ``changed`` (a subscription change), or every one (a repair).
 
         Returns the shards attached by this call with the messages they read
         while attaching; the caller delivers those and starts their readers.
         """
-        wanted: dict[str, set[str]] = defaultdict(set)
+        current = {channel_for(t) for t in self._topics}
+        scope = current | set(self._home) if changed is None else set(changed)
+        add: dict[str, set[str]] = defaultdict(set)
+        remove: dict[str, set[str]] = defaultdict(set)
         owners: dict[str, ClusterNode] = {}
-        for channel in (channel_for(t) for t in self._topics):
-            node = self._client.get_node_from_key(channel)
-            if node is None:
-                raise _ShardLost(f"no primary serves {channel}")
-            wanted[node.name].add(channel)
-            owners[node.name] = node
-        for name in list(self._shards):
-            if name not in wanted:
-                await self._shards.pop(name).close()
+        for channel in scope:
+            holder = self._home.get(channel)
+            if channel in current:
+                node = self._client.get_node_from_key(channel)
+                if node is None:
+                    raise _ShardLost(f"no primary serves {channel}")
+                if holder != node.name:
+                    add[node.name].add(channel)
+                    owners[node.name] = node
+                    if holder is not None:
+                        remove[holder].add(channel)
+            elif holder is not None:
+                remove[holder].add(channel)
+        for name, channels in remove.items():
+            holding = self._shards[name]
+            if channels >= holding.channels and name not in add:
+                await self._drop(holding)
+            else:
+                await holding.change(set(), channels)
+                self._unhome(channels)
         attached: list[tuple[_Shard, list[dict[str, Any]]]] = []
         try:
-            for name, channels in wanted.items():
+            for name, channels in add.items():
                 shard = self._shards.get(name)
                 if shard is None:
                     node = owners[name]
                     shard = self._shards[name] = _Shard(self, node.host, int(node.port))
                 if shard.attached:
-                    await shard.change(channels - shard.channels, shard.channels - channels)
+                    await shard.change(channels, set())
                 else:
                     attached.append((shard, await shard.attach(channels)))
+                for channel in channels:
+                    self._home[channel] = name
         except BaseException:
             # Shards attached in this pass have no reader yet: drop them, so
             # that the next pass attaches them afresh instead of trusting them.
             for shard, _ in attached:
-                self._shards.pop(shard.name, None)
-                await shard.close()
+                await self._drop(shard)
             raise
         return attached
+
+    async def _drop(self, shard: _Shard) -> None:
+        if self._shards.get(shard.name) is shard:
+            del self._shards[shard.name]
+        self._unhome(shard.channels)
+        await shard.close()
+
+    def _unhome(self, channels: Iterable[str]) -> None:
+        for channel in channels:
+            self._home.pop(channel, None)
 
     # --- losing and repairing shards ----------------------------------------
 
@@ -467,6 +496,7 @@ class RedisClusterBus:
         log.warning("Redis Cluster shard %s lost: %s", shard.name, exc or type(exc).__name__)
         if self._shards.get(shard.name) is shard:
             del self._shards[shard.name]
+        self._unhome(shard.channels)  # the repair places them again
         asyncio.get_running_loop().create_task(shard.close())
         self._start_repair(exc)
 
@@ -512,10 +542,9 @@ class RedisClusterBus:
                 if failures == 1:
                     log.warning("Redis Cluster bus not ready yet: %s", exc or type(exc).__name__)
                 # Drop shards that did not attach, so the next pass starts clean.
-                for name, shard in list(self._shards.items()):
+                for shard in list(self._shards.values()):
                     if not shard.attached:
-                        del self._shards[name]
-                        await shard.close()
+                        await self._drop(shard)
             delay = min(self._max_backoff, 0.05 * 2 ** min(failures, 10))
             await asyncio.sleep(random.uniform(delay / 2, delay))
 
