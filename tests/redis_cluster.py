@@ -159,6 +159,9 @@ class RedisCluster:
         for port in self.primaries():
             redis_cli(port, "flushall")
 
+    def pids(self) -> list[int]:
+        return [i.process.pid for i in self.instances if i.process is not None and i.alive]
+
     def cpu_seconds(self) -> float:
         """User + system CPU of the live instances (Linux ``/proc``), for the load test."""
         ticks = os.sysconf("SC_CLK_TCK")
