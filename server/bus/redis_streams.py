@@ -155,11 +155,21 @@ class RedisStreams:
 
     async def append_many(self, items: Sequence[Append]) -> list[Position]:
         if self._sharded:
-            # Each item is another stream, so another slot and maybe another
-            # shard: no ordering between them, and no pipeline across slots.
+            # Streams are slots of their own, maybe on other shards, and no
+            # pipeline spans slots: each stream's items in order, streams at once.
             if len(items) == 1:
                 return [await self.append(*items[0])]
-            return list(await asyncio.gather(*(self.append(*item) for item in items)))
+            positions: dict[int, Position] = {}
+            by_stream: dict[str, list[int]] = {}
+            for index, (stream, _, _) in enumerate(items):
+                by_stream.setdefault(stream, []).append(index)
+
+            async def in_order(indexes: list[int]) -> None:
+                for index in indexes:
+                    positions[index] = await self.append(*items[index])
+
+            await asyncio.gather(*(in_order(indexes) for indexes in by_stream.values()))
+            return [positions[index] for index in range(len(items))]
         if len(items) == 1:
             stream, data, topics = items[0]
             return [await self.append(stream, data, topics)]
