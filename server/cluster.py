@@ -36,6 +36,7 @@ from protocol.envelope import PresenceHint, encode_envelope
 from protocol.messages import PresenceDelta
 from server import cluster_lua
 from server.bus.redis_bus import PRESENCE_NAMESPACE, BusUnavailable, SharedBus, channel_for
+from server.bus.redis_cluster_bus import ShardScript
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.config import Settings
 from server.metrics import REGISTRY
@@ -115,7 +116,10 @@ class RedisPresenceBackend:
         self._deltas = channel_for(PRESENCE)
 
         def script(source: str) -> Any:
-            return self._client.register_script(cluster_lua.for_bus(source, sharded=bus.sharded))
+            source = cluster_lua.for_bus(source, sharded=bus.sharded)
+            if bus.sharded:
+                return ShardScript(self._client, source)
+            return self._client.register_script(source)
 
         self._report_script = script(cluster_lua.REPORT)
         self._register_script = script(cluster_lua.REGISTER)

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -45,7 +46,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from server.bus.base import MessageHandler
 from server.bus.redis_bus import BusUnavailable, ReconnectCallback, channel_for, local_only
@@ -114,6 +115,28 @@ async def through_failover(
                 raise
             publish_retries.inc()
             await asyncio.sleep(FAILOVER_RETRY_S)
+
+
+class ShardScript:
+    """A Lua script on a Redis Cluster: ``EVALSHA``, and ``EVAL`` when the shard lacks it.
+
+    redis-py's ``register_script`` answers ``NOSCRIPT`` with ``SCRIPT LOAD`` on
+    every primary; many callers doing that at once (a fresh client, a replica
+    just promoted) broke connections under each other's commands, and the
+    client's retries then ran scripts twice. ``NOSCRIPT`` means the script did
+    not run, so ``EVAL`` (which caches it on that shard) is safe to send.
+    """
+
+    def __init__(self, client: Any, script: str) -> None:
+        self.client = client
+        self.script = script
+        self.sha = hashlib.sha1(script.encode()).hexdigest()
+
+    async def __call__(self, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
+        try:
+            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self.client.eval(self.script, len(keys), *keys, *args)
 
 
 def _by_slot(channels: Iterable[str]) -> list[list[str]]:

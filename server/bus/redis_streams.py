@@ -38,7 +38,7 @@ from protocol.envelope import encode_positioned
 from protocol.messages import Position
 from protocol.streams import HistoryRead
 from server.bus.redis_bus import channel_for, make_client
-from server.bus.redis_cluster_bus import RedisClusterBus, through_failover
+from server.bus.redis_cluster_bus import RedisClusterBus, ShardScript, through_failover
 from server.bus.streams import DEFAULT_LIMITS, Append, StreamLimits, new_epoch
 from server.cluster_lua import for_bus
 
@@ -105,8 +105,13 @@ class RedisStreams:
         self._sharded = sharded
         self._failover_deadline = 10.0
         self._client = make_client(url, retries=1) if client is None else client
-        self._append = self._client.register_script(for_bus(APPEND, sharded=sharded))
-        self._read = self._client.register_script(READ)
+        append, read = for_bus(APPEND, sharded=sharded), READ
+        if sharded:
+            self._append: Any = ShardScript(self._client, append)
+            self._read: Any = ShardScript(self._client, read)
+        else:
+            self._append = self._client.register_script(append)
+            self._read = self._client.register_script(read)
 
     @classmethod
     def on_cluster(
@@ -118,7 +123,10 @@ class RedisStreams:
         return streams
 
     async def start(self) -> None:
-        return None
+        if self._sharded:
+            # The slot map and first connections before any concurrent use: a
+            # fresh client used by many callers at once broke its own connections.
+            await self._client.initialize()
 
     async def close(self) -> None:
         await self._client.aclose()

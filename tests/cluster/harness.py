@@ -157,7 +157,17 @@ class Cluster:
         for name in names:
             self.spawn(name)
         for name in names:
-            await self.wait_ready(name, within)
+            try:
+                await self.wait_ready(name, within)
+            except AssertionError:
+                # A free port taken by someone else (a Redis Cluster's outgoing
+                # connections use the same range) before the node bound it: once
+                # more on fresh ports.
+                if "address already in use" not in self.nodes[name].log():
+                    raise
+                del self.nodes[name]
+                self.spawn(name)
+                await self.wait_ready(name, within)
 
     async def wait_ready(self, name: str, within: float = 30.0) -> None:
         node = self.nodes[name]
