@@ -17,6 +17,7 @@ from websockets.frames import Opcode
 
 from protocol.messages import (
     AdminTest,
+    ChatAck,
     GameEvent,
     Positioned,
     PresenceDelta,
@@ -81,7 +82,15 @@ def to_wire(message: ServerMessage) -> dict[str, Any]:
         }
     if isinstance(message, AdminTest):
         return {"verb": "test", "payload": message.payload}
-    return {"verb": "error", "payload": {"code": message.code, "message": message.message}}
+    if isinstance(message, ChatAck):
+        return {
+            "verb": "chatAck",
+            "payload": {"clientMsgId": message.client_msg_id, "timeStamp": message.time_stamp},
+        }
+    payload: dict[str, Any] = {"code": message.code, "message": message.message}
+    if message.client_msg_id is not None:
+        payload["clientMsgId"] = message.client_msg_id
+    return {"verb": "error", "payload": payload}
 
 
 class Frame:

@@ -16,6 +16,13 @@ class ErrorCode(StrEnum):
     TOO_MANY_GAMES = "too_many_games"
     USER_MISMATCH = "user_mismatch"
     UNAVAILABLE = "unavailable"
+    RATE_LIMITED = "rate_limited"
+    COMMENT_EMPTY = "comment_empty"
+    COMMENT_TOO_LONG = "comment_too_long"
+    COMMENTS_FULL = "comments_full"
+    NOT_ALLOWED = "not_allowed"
+    GAME_NOT_FOUND = "game_not_found"
+    GAME_COMPLETED = "game_completed"
     STREAM_NOT_ALLOWED = "stream_not_allowed"
 
 
@@ -32,10 +39,12 @@ class CloseCode(IntEnum):
 class ProtocolError(Exception):
     """Untrusted input was rejected; carries the error frame to send back."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, client_msg_id: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # Echoed in the error frame so a client can tell which of its messages failed.
+        self.client_msg_id = client_msg_id
 
 
 MAX_FRAME_BYTES = 64 * 1024
@@ -50,3 +59,15 @@ MAX_GAME_FIELD_CHARS = 128
 MAX_TOKEN_CHARS = 16 * 1024
 
 MSGPACK_SUBPROTOCOL = "ap.msgpack"
+
+MAX_COMMENT_UNITS = 16_000
+"""Longest comment accepted, in UTF-16 code units (JavaScript's ``length``); longer is
+refused with ``comment_too_long``."""
+
+STORED_COMMENT_UNITS = 4000
+"""Comments are cut to this many UTF-16 code units, as today's backend and front do."""
+
+MAX_CLIENT_MSG_ID_CHARS = 128
+"""Longest ``clientMsgId`` (a UUID is 36)."""
+
+MAX_MOVE_NUMBER = 1_000_000_000

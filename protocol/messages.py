@@ -60,7 +60,26 @@ class SyncPresence:
     """``{"action":"syncPresence"}``: ask for a fresh presence snapshot."""
 
 
-ClientAction = Subscribe | WatchGames | SyncPresence
+@dataclass(frozen=True, slots=True)
+class Chat:
+    """``{"action":"chat",...}``: post a comment on a game.
+
+    ``comment`` is already validated (not blank, not over the limit) and cut to
+    :data:`~protocol.errors.STORED_COMMENT_UNITS`.
+    """
+
+    meta: str
+    game_id: str
+    comment: str
+    move_number: int
+    client_msg_id: str
+
+    @property
+    def key(self) -> GameKey:
+        return game_key(self.meta, self.game_id)
+
+
+ClientAction = Subscribe | WatchGames | SyncPresence | Chat
 
 
 # --- server -> client -------------------------------------------------------
@@ -132,10 +151,22 @@ class AdminTest:
 
 @dataclass(frozen=True, slots=True)
 class ErrorMessage:
-    """``{"verb":"error","payload":{"code":...,"message":...}}``."""
+    """``{"verb":"error","payload":{"code":...,"message":...}}``.
+
+    ``clientMsgId`` is added to the payload when the failed message carried one.
+    """
 
     code: str
     message: str
+    client_msg_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatAck:
+    """``{"verb":"chatAck","payload":{"clientMsgId","timeStamp"}}``: the comment is durable."""
+
+    client_msg_id: str
+    time_stamp: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +208,7 @@ ServerMessage = (
     | Positioned
     | Skip
     | Recovered
+    | ChatAck
 )
 
 

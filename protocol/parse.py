@@ -13,6 +13,7 @@ from typing import Any, TypeGuard
 
 import msgpack
 
+from protocol.chat import parse_chat
 from protocol.errors import (
     MAX_GAME_FIELD_CHARS,
     MAX_TOKEN_CHARS,
@@ -71,6 +72,8 @@ def parse_client_message(message: Any) -> ClientAction:
         )
     if action == "syncPresence":
         return SyncPresence()
+    if action == "chat":
+        return parse_chat(message)
     if not isinstance(action, str):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, "message needs a string 'action'")
     raise ProtocolError(ErrorCode.UNKNOWN_ACTION, f"unknown action {_quote(action)}")

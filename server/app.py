@@ -22,7 +22,7 @@ from protocol.errors import (
     ErrorCode,
     ProtocolError,
 )
-from protocol.messages import Subscribe, SyncPresence, WatchGames
+from protocol.messages import Chat, Subscribe, SyncPresence, WatchGames
 from protocol.parse import parse_client_frame
 from server.auth import Authenticator, CognitoVerifier, DevVerifier
 from server.bus.base import Bus
@@ -32,7 +32,7 @@ from server.config import Settings
 from server.connection import Session
 from server.ingress.http import build_app
 from server.metrics import REGISTRY
-from server.node import Node
+from server.node import Coordination, Node
 from server.presence import MemoryPresenceBackend, PresenceBackend
 from server.store.base import Store
 from server.store.memory import MemoryStore
@@ -83,7 +83,15 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
             redis_bus = RedisBus(settings.redis_url, name=settings.node_id)
             streams = RedisStreams(settings.redis_url, settings.stream_limits)
         cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store)
-        node = Node(settings, store, redis_bus, cluster, build_authenticator(settings), streams)
+        node = Node(
+            settings,
+            store,
+            redis_bus,
+            cluster,
+            build_authenticator(settings),
+            streams,
+            redis_coordination(settings),
+        )
         # After a Redis reconnect the node reloads presence and re-snapshots its
         # clients; if the cluster presumed it dead, it writes its rows again.
         redis_bus.on_reconnect(node.resync)
@@ -96,6 +104,27 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
     backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
     memory_streams = MemoryStreams(memory_bus, settings.stream_limits)
     return Node(settings, store, bus, backend, build_authenticator(settings), memory_streams)
+
+
+def redis_coordination(settings: Settings) -> Coordination:
+    """The services' cluster-wide parts: per-game chat locks, the chat rate, lastSeen claims.
+
+    Their keys carry the hash tag of a game or a user, one key per script, so
+    they work unchanged on a Redis Cluster.
+    """
+    from server.services.chat import RATE_WINDOW_SECONDS
+    from server.services.claims import RedisClaims
+    from server.services.game_lock import RedisGameLocks
+    from server.services.rate_limit import RedisRateLimiter
+
+    sharded = settings.redis_cluster_url is not None
+    url = settings.redis_cluster_url if sharded else settings.redis_url
+    assert url is not None
+    return Coordination(
+        RedisGameLocks(url, cluster=sharded),
+        RedisRateLimiter(url, "chat", settings.chat_rate, RATE_WINDOW_SECONDS, cluster=sharded),
+        RedisClaims(url, "last-seen", cluster=sharded),
+    )
 
 
 def _select_subprotocol(
@@ -128,7 +157,7 @@ class Handler:
             action = parse_client_frame(data)
         except ProtocolError as exc:
             bad_frames.inc()
-            session.send_error(exc.code, exc.message, self.limit)
+            session.send_error(exc.code, exc.message, self.limit, exc.client_msg_id)
             if exc.code is ErrorCode.UNAUTHORIZED:
                 # subscribe without a usable token: refused like a bad one
                 session.close(CloseCode.POLICY_VIOLATION, "invalid token")
@@ -142,6 +171,8 @@ class Handler:
             await self.node.watch(session, action.games, action.since)
         elif isinstance(action, SyncPresence):
             self.node.sync_presence(session)
+        elif isinstance(action, Chat):
+            await self.node.chat.post(session, action)
 
 
 async def start_listeners(node: Node) -> tuple[Server, web.AppRunner]:

@@ -49,6 +49,7 @@ class Settings:
     history_size: int = 50
     history_ttl: int = 900
     stream_meta_ttl: int = 24 * 3600
+    chat_rate: int = 5
     log_level: str = "INFO"
 
     @property
@@ -98,6 +99,7 @@ _HELP: dict[str, str] = {
     "history_size": "events kept per stream for recovery after a reconnect",
     "history_ttl": "seconds a stream's history is kept after its last event",
     "stream_meta_ttl": "seconds a stream's epoch and top offset are kept after its last event",
+    "chat_rate": "most chat comments one user may post per 10 s (cluster-wide when clustered)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
 }
 
@@ -177,6 +179,8 @@ def _validate(settings: Settings) -> None:
         raise SystemExit("--history-ttl must be at least 1 and at most --stream-meta-ttl")
     if settings.presence_debounce_ms < 0:
         raise SystemExit("--presence-debounce-ms must not be negative")
+    if settings.chat_rate < 1:
+        raise SystemExit("--chat-rate must be at least 1")
 
 
 def parse(argv: Sequence[str] | None = None) -> Settings:

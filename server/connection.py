@@ -88,8 +88,14 @@ class Session:
         """Write one frame now, or close the session if it cannot keep up."""
         send_frame([self], frame, outbox_limit)
 
-    def send_error(self, code: ErrorCode, message: str, outbox_limit: int) -> None:
-        self.send(Frame(ErrorMessage(code=code, message=message)), outbox_limit)
+    def send_error(
+        self,
+        code: ErrorCode,
+        message: str,
+        outbox_limit: int,
+        client_msg_id: str | None = None,
+    ) -> None:
+        self.send(Frame(ErrorMessage(code, message, client_msg_id)), outbox_limit)
 
     def close(self, code: CloseCode, reason: str) -> None:
         """Start the closing handshake without waiting for it."""

@@ -29,6 +29,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from protocol.codec import Frame
@@ -89,6 +90,12 @@ from server.presence import (
     presence_resyncs,
 )
 from server.registry import ConnectionRegistry
+from server.services.chat import RATE_WINDOW_SECONDS, ChatService
+from server.services.chat_marks import ChatMarks
+from server.services.claims import Claims, MemoryClaims
+from server.services.game_lock import GameLocks, MemoryGameLocks
+from server.services.last_seen import LastSeen
+from server.services.rate_limit import MemoryRateLimiter, RateLimiter
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
 
 log = logging.getLogger(__name__)
@@ -117,6 +124,26 @@ bus_failures = REGISTRY.counter(
 )
 
 
+@dataclass(frozen=True)
+class Coordination:
+    """What the services share across nodes: Redis parts in a cluster, memory alone."""
+
+    game_locks: GameLocks
+    chat_limiter: RateLimiter
+    last_seen_claims: Claims
+
+    @classmethod
+    def in_memory(cls, settings: Settings) -> Coordination:
+        return cls(
+            MemoryGameLocks(),
+            MemoryRateLimiter(settings.chat_rate, RATE_WINDOW_SECONDS),
+            MemoryClaims(),
+        )
+
+
+STOP_DRAIN_SECONDS = 2.0
+
+
 REPLAY_FRAME_CACHE = 4096
 """Replayed frames kept for other clients recovering the same events."""
 
@@ -130,6 +157,7 @@ class Node:
         presence_backend: PresenceBackend,
         authenticator: Authenticator,
         streams: Streams,
+        coordination: Coordination | None = None,
     ) -> None:
         self.settings = settings
         self.streams = streams
@@ -169,6 +197,17 @@ class Node:
         self._deltas: asyncio.Queue[PresenceDelta | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self.ready = False
+        shared = coordination if coordination is not None else Coordination.in_memory(settings)
+        self.chat_marks = ChatMarks(store)
+        self.chat = ChatService(
+            store,
+            self.publish,
+            shared.game_locks,
+            shared.chat_limiter,
+            self.chat_marks,
+            self._outbox_limit,
+        )
+        self.last_seen = LastSeen(store, shared.last_seen_claims)
         REGISTRY.gauge("ap_connections", "Open WebSocket sessions", lambda: len(self.sessions))
         REGISTRY.gauge("ap_users", "Distinct users on this node", self._user_count)
         REGISTRY.gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
@@ -193,6 +232,8 @@ class Node:
         self._topics.start()
         self._reports.start()
         self.writer.start()
+        self.chat_marks.start()
+        self.last_seen.start()
         self._tasks = [
             asyncio.create_task(self._delta_loop(), name="presence-deltas"),
             asyncio.create_task(self._ttl_loop(), name="ttl-refresh"),
@@ -214,6 +255,13 @@ class Node:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.writer.close()
+        # Marks and lastSeen already queued get a moment to reach the store.
+        for pending in (self.chat_marks, self.last_seen):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pending.drained(), STOP_DRAIN_SECONDS)
+        await self.chat_marks.close()
+        await self.last_seen.close()
+        await self.chat.close()
         await self._reports.close()
         await self._topics.close()
         await self.registry.close()
@@ -276,6 +324,7 @@ class Node:
         self.local_presence.add(identity.user_id, session.invisible)
         self._queue_reports()
         self.registry.put(self._record(session))
+        self.last_seen.seen(identity.user_id)
         if session.wants_presence:
             # The snapshot and this session's place among delta recipients are
             # taken in the same loop turn, so it misses no delta after the snapshot.
@@ -327,6 +376,8 @@ class Node:
 
     def sync_presence(self, session: Session) -> None:
         session.send(self.view.snapshot_frame(), self._outbox_limit)
+        if session.user_id is not None:
+            self.last_seen.seen(session.user_id)
 
     def _index(self, session: Session) -> None:
         assert session.user_id is not None

@@ -131,7 +131,9 @@ async def test_random_frames_never_hurt_the_node(server: RunningServer) -> None:
     victim = await server.subscribed("fuzzer")
     for frame in random_frames(seed=2026, count=500):
         await victim.ws.send(frame)
-    await victim.barrier()  # every frame was handled and the session still answers
-    assert len(victim.of_verb("error")) > 100
+    await victim.barrier()  # the session still answers
+    # The random frames hold syncPresence actions too, so the barrier's snapshot may be
+    # one of theirs: wait for the errors rather than assume they have all arrived.
+    await victim.wait_for(lambda: len(victim.of_verb("error")) > 100, within=30)
     bystander = await server.subscribed("bystander")
     assert bystander.presence.snapshots == 1

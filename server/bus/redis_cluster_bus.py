@@ -49,7 +49,13 @@ from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisError
 
 from server.bus.base import MessageHandler
-from server.bus.redis_bus import BusUnavailable, ReconnectCallback, channel_for, local_only
+from server.bus.redis_bus import (
+    BusUnavailable,
+    ReconnectCallback,
+    channel_for,
+    local_only,
+    make_client,
+)
 from server.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -137,6 +143,20 @@ class ShardScript:
             return await self.client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await self.client.eval(self.script, len(keys), *keys, *args)
+
+
+def script_for(client: Any, source: str) -> Any:
+    """A callable script (``await script(keys=[...], args=[...])``) on one Redis or a cluster."""
+    if isinstance(client, RedisCluster):
+        return ShardScript(client, source)
+    return client.register_script(source)
+
+
+def command_client_for(url: str, *, cluster: bool) -> Any:
+    """A command client for a service: on a Redis Cluster (``--redis-cluster-url``) or one Redis."""
+    if cluster:
+        return make_cluster_client(url)
+    return make_client(url, retries=1)
 
 
 def _by_slot(channels: Iterable[str]) -> list[list[str]]:

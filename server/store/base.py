@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from server.store.records import AppendOutcome, GameAccess, StoredComment
+
 CONNECTION_TTL_SECONDS = 86_400
 """A row's ``ttl`` is now + 24 h, as today; live connections refresh it."""
 
@@ -40,7 +42,8 @@ class StoreUnavailable(Exception):
 
 
 class Store(Protocol):
-    """Persistence for connection rows and the ``wsMeta`` presence counter."""
+    """Persistence for connection rows, the ``wsMeta`` presence counter, and the game-side
+    records the services read and write (chat, dashboard marks, lastSeen)."""
 
     async def start(self) -> None:
         """Connect and check the table is reachable; raise StoreUnavailable if not."""
@@ -79,3 +82,41 @@ class Store(Protocol):
 
     async def current_presence_seq(self) -> int:
         """The ``wsMeta/presenceSeq`` value, 0 when never written."""
+
+    # --- game-side records (server/services) ---------------------------------
+
+    async def get_game_access(self, meta: str, game_id: str) -> GameAccess:
+        """Whether the game is active, completed or unknown, and its players' ids.
+
+        Reads the active ``GAME`` row with a projection of ``players`` only; the
+        completed row is looked at only when there is no active one.
+        """
+
+    async def is_admin(self, user_id: str) -> bool:
+        """``USER/<userId>.admin`` is true."""
+
+    async def append_comment(self, game_id: str, comment: StoredComment, key: str) -> AppendOutcome:
+        """Append one comment to ``GAMECOMMENTS/<gameId>`` atomically.
+
+        Stored at most once per ``key`` (see ``records.comment_key``); refused,
+        with the item unchanged, when Σ(110 + UTF-8 bytes) would reach the cap.
+        """
+
+    async def game_watchers(self, game_id: str) -> list[str]:
+        """User ids under ``GAMEWATCHERS#<gameId>``."""
+
+    async def mark_players_last_chat(
+        self, game_id: str, players: Sequence[str], author: str, at_ms: int
+    ) -> None:
+        """Set ``USERGAME#<uid>/<gameId>.lastChat`` (and the author's ``seen``) for each
+        human player who has the game on their dashboard (a ``CURRENTGAMES#`` row)."""
+
+    async def mark_watchers_last_chat(
+        self, game_id: str, watchers: Sequence[str], author: str, at_ms: int
+    ) -> None:
+        """Set ``WATCHED#<uid>/<gameId>.lastChat`` (and the author's ``seen``) on each
+        watcher's existing row; a missing row is not created."""
+
+    async def touch_last_seen(self, user_id: str, now_ms: int) -> bool:
+        """Set ``USERS/<userId>.lastSeen = now`` if it is missing or older than 15
+        minutes and the row exists; True when written."""

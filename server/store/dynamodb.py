@@ -26,6 +26,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from server.metrics import REGISTRY
 from server.store import keys
 from server.store.base import ConnectionRecord, StoreUnavailable
+from server.store.dynamodb_records import GameRecordsMixin
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ def _chunks(items: Sequence[dict[str, Any]], size: int) -> Iterable[list[dict[st
         yield list(items[start : start + size])
 
 
-class DynamoStore:
+class DynamoStore(GameRecordsMixin):
     """The Store protocol on a DynamoDB table with string ``pk``/``sk`` keys."""
 
     def __init__(

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Any
 
+from protocol.chat import COMMENTS_CAP_BYTES, comment_weight
+from server.store import records as r
 from server.store.base import ConnectionRecord
+from server.store.records import (
+    AppendOutcome,
+    AppendStatus,
+    GameAccess,
+    GameStatus,
+    StoredComment,
+)
+
+Row = dict[str, Any]
 
 
 class MemoryStore:
@@ -15,6 +28,19 @@ class MemoryStore:
     def __init__(self) -> None:
         self._connections: dict[str, ConnectionRecord] = {}
         self._presence_seq = 0
+        # Game-side rows by (pk, sk), attributes as plain Python values.
+        self._rows: dict[tuple[str, str], Row] = {}
+
+    # --- plain rows: how tests and tools seed and read the game-side records ----
+
+    def put_row(self, pk: str, sk: str, attributes: Row) -> None:
+        """Replace a whole row (a copy is kept)."""
+        self._rows[(pk, sk)] = copy.deepcopy(attributes)
+
+    def get_row(self, pk: str, sk: str) -> Row | None:
+        """A copy of a row, or None."""
+        row = self._rows.get((pk, sk))
+        return copy.deepcopy(row) if row is not None else None
 
     async def start(self) -> None:
         return None
@@ -66,3 +92,89 @@ class MemoryStore:
 
     async def current_presence_seq(self) -> int:
         return self._presence_seq
+
+    # --- game-side records ----------------------------------------------------
+
+    async def get_game_access(self, meta: str, game_id: str) -> GameAccess:
+        active = self._rows.get((r.GAME_PK, r.game_sk(meta, game_id, completed=False)))
+        if active is not None:
+            players = active.get(r.PLAYERS)
+            ids = tuple(
+                str(p[r.PLAYER_ID])
+                for p in (players if isinstance(players, list) else [])
+                if isinstance(p, dict) and isinstance(p.get(r.PLAYER_ID), str)
+            )
+            return GameAccess(GameStatus.ACTIVE, ids)
+        if (r.GAME_PK, r.game_sk(meta, game_id, completed=True)) in self._rows:
+            return GameAccess(GameStatus.COMPLETED)
+        return GameAccess(GameStatus.MISSING)
+
+    async def is_admin(self, user_id: str) -> bool:
+        row = self._rows.get((r.USER_PK, user_id))
+        return row is not None and row.get(r.ADMIN) is True
+
+    async def append_comment(self, game_id: str, comment: StoredComment, key: str) -> AppendOutcome:
+        # No await inside: on one event loop this is as atomic as the conditional UpdateItem.
+        row = self._rows.get((r.GAMECOMMENTS_PK, game_id), {})
+        comments = row.get(r.COMMENTS)
+        comments = comments if isinstance(comments, list) else []
+        ids = row.get(r.COMMENT_IDS)
+        ids = ids if isinstance(ids, dict) else {}
+        if key in ids:
+            return AppendOutcome(AppendStatus.DUPLICATE, int(ids[key]))
+        total = row.get(r.COMMENT_BYTES)
+        if not isinstance(total, int):
+            total = sum(comment_weight(str(c.get(r.COMMENT, ""))) for c in comments)
+        weight = comment_weight(comment.comment)
+        if total + weight >= COMMENTS_CAP_BYTES:
+            return AppendOutcome(AppendStatus.FULL)
+        comments.append(comment.to_plain())
+        ids[key] = comment.time_stamp
+        row[r.COMMENTS] = comments
+        row[r.COMMENT_BYTES] = total + weight
+        row[r.COMMENT_IDS] = ids
+        self._rows[(r.GAMECOMMENTS_PK, game_id)] = row
+        return AppendOutcome(AppendStatus.STORED, comment.time_stamp)
+
+    async def game_watchers(self, game_id: str) -> list[str]:
+        pk = r.GAMEWATCHERS_PREFIX + game_id
+        return sorted(sk for (row_pk, sk) in self._rows if row_pk == pk)
+
+    async def mark_players_last_chat(
+        self, game_id: str, players: Sequence[str], author: str, at_ms: int
+    ) -> None:
+        for player in players:
+            if (r.BOT_PK, player) in self._rows:
+                continue
+            if (r.CURRENTGAMES_PREFIX + player, game_id) not in self._rows:
+                continue
+            row = self._rows.setdefault((r.USERGAME_PREFIX + player, game_id), {})
+            _mark(row, at_ms, player == author)
+
+    async def mark_watchers_last_chat(
+        self, game_id: str, watchers: Sequence[str], author: str, at_ms: int
+    ) -> None:
+        for watcher in watchers:
+            row = self._rows.get((r.WATCHED_PREFIX + watcher, game_id))
+            if row is not None:
+                _mark(row, at_ms, watcher == author)
+
+    async def touch_last_seen(self, user_id: str, now_ms: int) -> bool:
+        row = self._rows.get((r.USERS_PK, user_id))
+        if row is None:
+            return False
+        last = row.get(r.LAST_SEEN)
+        if isinstance(last, int | float) and last >= now_ms - r.LAST_SEEN_INTERVAL_MS:
+            return False
+        row[r.LAST_SEEN] = now_ms
+        return True
+
+
+def _mark(row: Row, at_ms: int, is_author: bool) -> None:
+    """Set ``lastChat`` (and the author's ``seen``) unless a newer mark is there."""
+    last = row.get(r.LAST_CHAT)
+    if isinstance(last, int | float) and last >= at_ms:
+        return
+    row[r.LAST_CHAT] = at_ms
+    if is_author:
+        row[r.SEEN] = at_ms + r.AUTHOR_SEEN_LEAD_MS

@@ -1,0 +1,89 @@
+"""``USERS.lastSeen``, kept as the newer backend's ``touchUserLastSeen`` keeps it.
+
+A user seen on ``subscribe`` or ``syncPresence`` gets ``lastSeen = now`` when it
+is missing or older than 15 minutes, so the abandoned-game check does not take
+active players for gone. Nothing waits for it: ``seen`` only queues. Writes are
+at most one per user per 15 minutes across the cluster: this node skips users it
+queued recently, a cluster-wide claim (Redis ``SET NX PX``) picks one node, and
+the conditional update itself refuses a write that is not needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from server.batching import CoalescingFlusher
+from server.metrics import REGISTRY
+from server.services.claims import Claims
+from server.store.base import Store
+from server.store.records import LAST_SEEN_INTERVAL_MS
+
+writes = REGISTRY.counter("ap_last_seen_writes_total", "Conditional USERS.lastSeen updates sent")
+retries = REGISTRY.counter(
+    "ap_last_seen_retries_total", "USERS.lastSeen updates that failed and were queued again"
+)
+
+INTERVAL_SECONDS = LAST_SEEN_INTERVAL_MS / 1000
+CONCURRENCY = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Touch:
+    at_ms: int
+    claimed: bool = False  # this node holds the cluster-wide claim (a retry keeps it)
+
+
+def _merge(older: Touch, newer: Touch) -> Touch:
+    return Touch(max(older.at_ms, newer.at_ms), older.claimed or newer.claimed)
+
+
+class LastSeen:
+    def __init__(self, store: Store, claims: Claims) -> None:
+        self._store = store
+        self._claims = claims
+        self._queued_at: dict[str, float] = {}
+        self._flusher: CoalescingFlusher[str, Touch] = CoalescingFlusher(
+            "last-seen", self._flush, _merge, retries
+        )
+
+    def start(self) -> None:
+        self._flusher.start()
+
+    async def close(self) -> None:
+        await self._flusher.close()
+        await self._claims.close()
+
+    async def drained(self) -> None:
+        await self._flusher.drained()
+
+    def seen(self, user_id: str) -> None:
+        """The user is active now. Returns at once; the write (if any) happens later."""
+        now = time.monotonic()
+        if self._queued_at.get(user_id, -INTERVAL_SECONDS) > now - INTERVAL_SECONDS:
+            return
+        self._queued_at[user_id] = now
+        if len(self._queued_at) > 100_000:
+            horizon = now - INTERVAL_SECONDS
+            self._queued_at = {u: t for u, t in self._queued_at.items() if t > horizon}
+        self._flusher.put(user_id, Touch(time.time_ns() // 1_000_000))
+
+    async def _flush(self, batch: dict[str, Touch]) -> dict[str, Touch]:
+        failed: dict[str, Touch] = {}
+        gate = asyncio.Semaphore(CONCURRENCY)
+
+        async def touch(user_id: str, job: Touch) -> None:
+            async with gate:
+                try:
+                    if not job.claimed:
+                        if not await self._claims.claim(user_id, INTERVAL_SECONDS):
+                            return  # another node (or an earlier run) wrote it lately
+                        job = Touch(job.at_ms, claimed=True)
+                    writes.inc()
+                    await self._store.touch_last_seen(user_id, job.at_ms)
+                except Exception:
+                    failed[user_id] = job
+
+        await asyncio.gather(*(touch(user, job) for user, job in batch.items()))
+        return failed

@@ -1,0 +1,346 @@
+"""The game-side access patterns of :class:`~server.store.dynamodb.DynamoStore`.
+
+Each method is one pattern of ``docs/access-patterns.md`` (chat append, GAME
+projection, USER.admin, GAMEWATCHERS#, USERGAME#, WATCHED#, USERS.lastSeen).
+Requests go through the store's ``_call``: the same retries, metrics and errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from protocol.chat import COMMENTS_CAP_BYTES, comment_weight
+from server.store import records as r
+from server.store.base import StoreUnavailable
+from server.store.keys import Item, number, parse_int
+from server.store.records import AppendOutcome, AppendStatus, GameAccess, GameStatus, StoredComment
+
+log = logging.getLogger(__name__)
+
+CONDITIONAL_CHECK_FAILED = "ConditionalCheckFailedException"
+_CCF = frozenset({CONDITIONAL_CHECK_FAILED})
+
+APPEND_ROUNDS = 8
+"""Conditional attempts of one append; each lost race means another writer made progress."""
+
+MARK_CONCURRENCY = 8
+
+
+def _key(pk: str, sk: str) -> Item:
+    return {"pk": {"S": pk}, "sk": {"S": sk}}
+
+
+def _comment_value(comment: StoredComment) -> dict[str, Any]:
+    return {
+        "M": {
+            r.COMMENT: {"S": comment.comment},
+            r.USER_ID: {"S": comment.user_id},
+            r.MOVE_NUMBER: number(comment.move_number),
+            r.TIME_STAMP: number(comment.time_stamp),
+        }
+    }
+
+
+def _is_ccf(exc: ClientError) -> bool:
+    return str(exc.response.get("Error", {}).get("Code", "")) == CONDITIONAL_CHECK_FAILED
+
+
+class GameRecordsMixin:
+    """Mixed into DynamoStore, which provides ``table`` and ``_call``."""
+
+    table: str
+
+    async def _call(
+        self, operation: str, *, passthrough: frozenset[str] = frozenset(), **params: Any
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def _get(self, pk: str, sk: str, *names: str) -> Item | None:
+        """GetItem, consistent, projecting only ``names`` (dotted for map entries)."""
+        params: dict[str, Any] = {
+            "TableName": self.table,
+            "Key": _key(pk, sk),
+            "ConsistentRead": True,
+        }
+        if names:
+            aliases: dict[str, str] = {}
+            paths: list[str] = []
+            for name in names:
+                parts = []
+                for part in name.split("."):
+                    alias = f"#a{len(aliases)}"
+                    aliases[alias] = part
+                    parts.append(alias)
+                paths.append(".".join(parts))
+            params["ProjectionExpression"] = ", ".join(paths)
+            params["ExpressionAttributeNames"] = aliases
+        item: Item | None = (await self._call("get_item", **params)).get("Item")
+        return item
+
+    async def _update_ignoring_condition(self, **params: Any) -> bool:
+        """UpdateItem whose failed condition means "nothing to do"; True when applied."""
+        try:
+            await self._call("update_item", passthrough=_CCF, TableName=self.table, **params)
+        except ClientError as exc:
+            if not _is_ccf(exc):
+                raise
+            return False
+        return True
+
+    # --- authorization --------------------------------------------------------
+
+    async def get_game_access(self, meta: str, game_id: str) -> GameAccess:
+        active = await self._get(r.GAME_PK, r.game_sk(meta, game_id, completed=False), r.PLAYERS)
+        if active is not None:
+            players = active.get(r.PLAYERS, {}).get("L", [])
+            ids = tuple(
+                p["M"][r.PLAYER_ID]["S"]
+                for p in players
+                if "M" in p and "S" in p["M"].get(r.PLAYER_ID, {})
+            )
+            return GameAccess(GameStatus.ACTIVE, ids)
+        completed = await self._get(r.GAME_PK, r.game_sk(meta, game_id, completed=True), "pk")
+        return GameAccess(GameStatus.COMPLETED if completed is not None else GameStatus.MISSING)
+
+    async def is_admin(self, user_id: str) -> bool:
+        user = await self._get(r.USER_PK, user_id, r.ADMIN)
+        return user is not None and user.get(r.ADMIN, {}).get("BOOL") is True
+
+    # --- the chat append --------------------------------------------------------
+
+    async def append_comment(self, game_id: str, comment: StoredComment, key: str) -> AppendOutcome:
+        weight = comment_weight(comment.comment)
+        for _ in range(APPEND_ROUNDS):
+            if await self._append_counted(game_id, comment, key, weight):
+                return AppendOutcome(AppendStatus.STORED, comment.time_stamp)
+            # The condition failed: find out why, with a small projection.
+            item = await self._get(
+                r.GAMECOMMENTS_PK, game_id, "pk", r.COMMENT_BYTES, f"{r.COMMENT_IDS}.{key}"
+            )
+            if item is None:
+                if await self._append_first(game_id, comment, key, weight):
+                    return AppendOutcome(AppendStatus.STORED, comment.time_stamp)
+                continue  # someone created it meanwhile
+            earlier = parse_int(item.get(r.COMMENT_IDS, {}).get("M", {}).get(key))
+            if earlier is not None:
+                return AppendOutcome(AppendStatus.DUPLICATE, earlier)
+            total = parse_int(item.get(r.COMMENT_BYTES))
+            if total is None:
+                outcome = await self._append_and_count(game_id, comment, key, weight)
+                if outcome is not None:
+                    return outcome
+                continue
+            if total + weight >= COMMENTS_CAP_BYTES:
+                return AppendOutcome(AppendStatus.FULL)
+        raise StoreUnavailable(
+            f"append to {r.GAMECOMMENTS_PK}/{game_id} in {self.table!r} lost "
+            f"{APPEND_ROUNDS} races in a row"
+        )
+
+    async def _append_counted(
+        self, game_id: str, comment: StoredComment, key: str, weight: int
+    ) -> bool:
+        """The usual case: the item has its counter; one conditional UpdateItem."""
+        return await self._update_ignoring_condition(
+            Key=_key(r.GAMECOMMENTS_PK, game_id),
+            UpdateExpression="SET #c = list_append(#c, :new), #ids.#k = :ts ADD #b :w",
+            ConditionExpression="#b < :room AND attribute_not_exists(#ids.#k)",
+            ExpressionAttributeNames={
+                "#c": r.COMMENTS,
+                "#b": r.COMMENT_BYTES,
+                "#ids": r.COMMENT_IDS,
+                "#k": key,
+            },
+            ExpressionAttributeValues={
+                ":new": {"L": [_comment_value(comment)]},
+                ":ts": number(comment.time_stamp),
+                ":w": number(weight),
+                ":room": number(COMMENTS_CAP_BYTES - weight),
+            },
+        )
+
+    async def _append_first(
+        self, game_id: str, comment: StoredComment, key: str, weight: int
+    ) -> bool:
+        """The game's first comment: create the item, unless it appeared meanwhile."""
+        return await self._update_ignoring_condition(
+            Key=_key(r.GAMECOMMENTS_PK, game_id),
+            UpdateExpression="SET #c = :new, #b = :w, #ids = :ids",
+            ConditionExpression="attribute_not_exists(pk)",
+            ExpressionAttributeNames={
+                "#c": r.COMMENTS,
+                "#b": r.COMMENT_BYTES,
+                "#ids": r.COMMENT_IDS,
+            },
+            ExpressionAttributeValues={
+                ":new": {"L": [_comment_value(comment)]},
+                ":w": number(weight),
+                ":ids": {"M": {key: number(comment.time_stamp)}},
+            },
+        )
+
+    async def _append_and_count(
+        self, game_id: str, comment: StoredComment, key: str, weight: int
+    ) -> AppendOutcome | None:
+        """An item written before the counter existed: count its comments, then append
+        on condition that the list is still the one counted. None: it changed, retry."""
+        item = await self._get(r.GAMECOMMENTS_PK, game_id, r.COMMENTS, r.COMMENT_BYTES)
+        if item is None or r.COMMENT_BYTES in item:
+            return None
+        existing = item.get(r.COMMENTS, {}).get("L")
+        comments = existing if isinstance(existing, list) else []
+        total = sum(
+            comment_weight(c.get("M", {}).get(r.COMMENT, {}).get("S", "")) for c in comments
+        )
+        if total + weight >= COMMENTS_CAP_BYTES:
+            return AppendOutcome(AppendStatus.FULL)
+        names = {"#c": r.COMMENTS, "#b": r.COMMENT_BYTES, "#ids": r.COMMENT_IDS}
+        values: dict[str, Any] = {
+            ":new": {"L": [_comment_value(comment)]},
+            ":total": number(total + weight),
+            ":ids": {"M": {key: number(comment.time_stamp)}},
+        }
+        if existing is None:
+            condition = "attribute_not_exists(#b) AND attribute_not_exists(#c)"
+            expression = "SET #c = :new, #b = :total, #ids = :ids"
+        else:
+            condition = "attribute_not_exists(#b) AND size(#c) = :n"
+            expression = "SET #c = list_append(#c, :new), #b = :total, #ids = :ids"
+            values[":n"] = number(len(comments))
+        applied = await self._update_ignoring_condition(
+            Key=_key(r.GAMECOMMENTS_PK, game_id),
+            UpdateExpression=expression,
+            ConditionExpression=condition,
+            ExpressionAttributeNames=names,
+            ExpressionAttributeValues=values,
+        )
+        if not applied:
+            return None
+        log.info("counted %d existing comments of game %s: %d bytes", len(comments), game_id, total)
+        return AppendOutcome(AppendStatus.STORED, comment.time_stamp)
+
+    # --- dashboard marks ----------------------------------------------------------
+
+    async def game_watchers(self, game_id: str) -> list[str]:
+        watchers: list[str] = []
+        params: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "#pk = :pk",
+            "ProjectionExpression": "#sk",
+            "ExpressionAttributeNames": {"#pk": "pk", "#sk": "sk"},
+            "ExpressionAttributeValues": {":pk": {"S": r.GAMEWATCHERS_PREFIX + game_id}},
+        }
+        while True:
+            response = await self._call("query", **params)
+            watchers.extend(item["sk"]["S"] for item in response.get("Items", []))
+            last_key = response.get("LastEvaluatedKey")
+            if not last_key:
+                return watchers
+            params["ExclusiveStartKey"] = last_key
+
+    async def _existing_keys(self, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which of these rows exist: BatchGetItem projecting the keys, 100 per request."""
+        found: set[tuple[str, str]] = set()
+        for start in range(0, len(keys), 100):
+            pending: list[Item] = [_key(pk, sk) for pk, sk in keys[start : start + 100]]
+            for _ in range(8):
+                response = await self._call(
+                    "batch_get_item",
+                    RequestItems={
+                        self.table: {
+                            "Keys": pending,
+                            "ProjectionExpression": "#pk, #sk",
+                            "ExpressionAttributeNames": {"#pk": "pk", "#sk": "sk"},
+                            "ConsistentRead": True,
+                        }
+                    },
+                )
+                for item in response.get("Responses", {}).get(self.table, []):
+                    found.add((item["pk"]["S"], item["sk"]["S"]))
+                pending = response.get("UnprocessedKeys", {}).get(self.table, {}).get("Keys", [])
+                if not pending:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise StoreUnavailable(f"BatchGetItem on {self.table!r} left keys unprocessed")
+        return found
+
+    async def mark_players_last_chat(
+        self, game_id: str, players: Sequence[str], author: str, at_ms: int
+    ) -> None:
+        unique = list(dict.fromkeys(players))
+        wanted = [(r.CURRENTGAMES_PREFIX + p, game_id) for p in unique]
+        wanted += [(r.BOT_PK, p) for p in unique]
+        found = await self._existing_keys(wanted)
+        humans = [
+            p
+            for p in unique
+            if (r.CURRENTGAMES_PREFIX + p, game_id) in found and (r.BOT_PK, p) not in found
+        ]
+        # The overlay row is an upsert, as the backend's upsertUserGameOverlay does.
+        await self._mark(r.USERGAME_PREFIX, game_id, humans, author, at_ms, must_exist=False)
+
+    async def mark_watchers_last_chat(
+        self, game_id: str, watchers: Sequence[str], author: str, at_ms: int
+    ) -> None:
+        unique = list(dict.fromkeys(watchers))
+        await self._mark(r.WATCHED_PREFIX, game_id, unique, author, at_ms, must_exist=True)
+
+    async def _mark(
+        self,
+        prefix: str,
+        game_id: str,
+        users: list[str],
+        author: str,
+        at_ms: int,
+        *,
+        must_exist: bool,
+    ) -> None:
+        gate = asyncio.Semaphore(MARK_CONCURRENCY)
+
+        async def mark(user: str) -> None:
+            names = {"#lc": r.LAST_CHAT}
+            values: dict[str, Any] = {":lc": number(at_ms)}
+            expression = "SET #lc = :lc"
+            if user == author:
+                names["#seen"] = r.SEEN
+                values[":seen"] = number(at_ms + r.AUTHOR_SEEN_LEAD_MS)
+                expression += ", #seen = :seen"
+            params: dict[str, Any] = {
+                "Key": _key(prefix + user, game_id),
+                "UpdateExpression": expression,
+                "ExpressionAttributeNames": names,
+                "ExpressionAttributeValues": values,
+            }
+            # Marks may be retried, so an older one arriving late must not win.
+            condition = "(attribute_not_exists(#lc) OR #lc < :lc)"
+            if must_exist:
+                condition = "attribute_exists(pk) AND " + condition
+            params["ConditionExpression"] = condition
+            async with gate:
+                await self._update_ignoring_condition(**params)
+
+        async with asyncio.TaskGroup() as group:
+            for user in users:
+                group.create_task(mark(user))
+
+    # --- lastSeen -------------------------------------------------------------------
+
+    async def touch_last_seen(self, user_id: str, now_ms: int) -> bool:
+        return await self._update_ignoring_condition(
+            Key=_key(r.USERS_PK, user_id),
+            UpdateExpression="SET #ls = :now",
+            ConditionExpression=(
+                "attribute_exists(pk) AND (attribute_not_exists(#ls) OR #ls < :stale)"
+            ),
+            ExpressionAttributeNames={"#ls": r.LAST_SEEN},
+            ExpressionAttributeValues={
+                ":now": number(now_ms),
+                ":stale": number(now_ms - r.LAST_SEEN_INTERVAL_MS),
+            },
+        )

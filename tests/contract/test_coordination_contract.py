@@ -1,0 +1,196 @@
+"""The services' shared parts (per-game locks, rate limits, claims) on memory and Redis.
+
+For Redis, two instances on one server stand for two nodes; the memory parts are
+one process's, so the same instance stands for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from server.services.claims import Claims, MemoryClaims, RedisClaims
+from server.services.game_lock import (
+    GameLocks,
+    LockUnavailable,
+    MemoryGameLocks,
+    RedisGameLocks,
+    lock_key,
+)
+from server.services.rate_limit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
+from tests.redis_cluster import RedisCluster
+from tests.services import free_port, redis_url_for_tests
+
+
+@pytest.fixture(scope="module")
+def coordination_redis() -> Iterator[str]:
+    with redis_url_for_tests() as url:
+        yield url
+
+
+def kinds() -> pytest.MarkDecorator:
+    return pytest.mark.parametrize("kind", ["memory", "redis", "redis-cluster"])
+
+
+def redis_for(kind: str, request: pytest.FixtureRequest) -> tuple[str, bool]:
+    """The URL and whether it is a Redis Cluster (the session's shared one)."""
+    if kind == "redis-cluster":
+        cluster: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+        return cluster.url, True
+    url: str = request.getfixturevalue("coordination_redis")
+    return url, False
+
+
+async def pair_of_locks(
+    kind: str, request: pytest.FixtureRequest, wait: float
+) -> tuple[GameLocks, GameLocks]:
+    if kind == "memory":
+        locks = MemoryGameLocks(wait=wait)
+        return locks, locks
+    url, sharded = redis_for(kind, request)
+    return (
+        RedisGameLocks(url, wait=wait, cluster=sharded),
+        RedisGameLocks(url, wait=wait, cluster=sharded),
+    )
+
+
+@pytest.fixture
+def game() -> str:
+    return f"chess#{uuid.uuid4().hex[:8]}"
+
+
+@kinds()
+async def test_a_game_lock_is_exclusive_across_nodes(
+    kind: str, request: pytest.FixtureRequest, game: str
+) -> None:
+    first, second = await pair_of_locks(kind, request, wait=20)
+    inside = 0
+    most = 0
+    order: list[int] = []
+
+    async def work(locks: GameLocks, n: int) -> None:
+        nonlocal inside, most
+        async with locks.hold(game) as held:
+            inside += 1
+            most = max(most, inside)
+            await asyncio.sleep(0.005)
+            assert await held.confirm()
+            order.append(n)
+            inside -= 1
+
+    await asyncio.gather(*(work(first if n % 2 else second, n) for n in range(30)))
+    assert most == 1 and sorted(order) == list(range(30))
+    # other games are not held up by this one
+    async with first.hold(game), second.hold(game + "-other"):
+        pass
+    await first.close()
+    await second.close()
+
+
+@kinds()
+async def test_a_busy_game_lock_times_out_and_is_freed_on_errors(
+    kind: str, request: pytest.FixtureRequest, game: str
+) -> None:
+    first, second = await pair_of_locks(kind, request, wait=0.3)
+    async with first.hold(game):
+        with pytest.raises(LockUnavailable):
+            async with second.hold(game):
+                pass
+    with pytest.raises(RuntimeError):
+        async with first.hold(game):
+            raise RuntimeError("boom")
+    async with second.hold(game):  # released by the error
+        pass
+    await first.close()
+    await second.close()
+
+
+async def test_a_redis_lease_lost_behind_the_holders_back_is_reported(
+    coordination_redis: str, game: str
+) -> None:
+    locks = RedisGameLocks(coordination_redis)
+    spy = aioredis.Redis.from_url(coordination_redis)
+    try:
+        async with locks.hold(game) as held:
+            assert await spy.exists(lock_key(game)) == 1
+            await spy.delete(lock_key(game))  # as if the lease had run out
+            assert not await held.confirm()
+        assert await spy.exists(lock_key(game)) == 0
+    finally:
+        await spy.aclose()
+        await locks.close()
+
+
+async def pair_of_limiters(
+    kind: str, request: pytest.FixtureRequest, limit: int, window: float
+) -> tuple[RateLimiter, RateLimiter]:
+    if kind == "memory":
+        limiter = MemoryRateLimiter(limit, window)
+        return limiter, limiter
+    url, sharded = redis_for(kind, request)
+    name = uuid.uuid4().hex[:6]
+    return (
+        RedisRateLimiter(url, name, limit, window, cluster=sharded),
+        RedisRateLimiter(url, name, limit, window, cluster=sharded),
+    )
+
+
+@kinds()
+async def test_the_rate_is_per_user_in_a_sliding_window(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    a, b = await pair_of_limiters(kind, request, limit=3, window=1.0)
+    assert [await a.allow("u"), await b.allow("u"), await a.allow("u")] == [True] * 3
+    assert not await b.allow("u") and not await a.allow("u")
+    assert await b.allow("someone-else")
+    await asyncio.sleep(1.1)
+    assert await a.allow("u")
+    await a.close()
+    await b.close()
+
+
+@pytest.fixture
+async def claims_pair(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[Claims, Claims]]:
+    if request.param == "memory":
+        claims = MemoryClaims()
+        yield claims, claims
+        return
+    url, sharded = redis_for(request.param, request)
+    purpose = uuid.uuid4().hex[:6]
+    first = RedisClaims(url, purpose, cluster=sharded)
+    second = RedisClaims(url, purpose, cluster=sharded)
+    yield first, second
+    await first.close()
+    await second.close()
+
+
+@pytest.mark.parametrize("claims_pair", ["memory", "redis", "redis-cluster"], indirect=True)
+async def test_a_claim_goes_to_the_first_asker_until_it_expires(
+    claims_pair: tuple[Claims, Claims],
+) -> None:
+    first, second = claims_pair
+    assert await first.claim("alice", 0.5)
+    assert not await second.claim("alice", 0.5) and not await first.claim("alice", 0.5)
+    assert await second.claim("bob", 0.5)
+    await asyncio.sleep(0.7)
+    assert await second.claim("alice", 0.5)
+
+
+async def test_without_redis_locks_refuse_and_limits_fall_back_to_this_node() -> None:
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    locks = RedisGameLocks(nowhere, wait=1)
+    with pytest.raises(LockUnavailable):
+        async with locks.hold("chess#g1"):
+            pass
+    limiter = RedisRateLimiter(nowhere, "chat", 2, 10)
+    assert [await limiter.allow("u") for _ in range(3)] == [True, True, False]
+    claims = RedisClaims(nowhere, "last-seen")
+    assert await claims.claim("u", 60) and not await claims.claim("u", 60)
+    for part in (locks, limiter, claims):
+        await part.close()
