@@ -18,8 +18,11 @@ from typing import Any
 from loadtest.procstat import machine, raise_fd_limit
 from loadtest.progress import Progress
 from loadtest.runner import Options, Run
-from loadtest.scenarios import SCENARIOS
+from loadtest.scenarios import SCENARIOS as BASE_SCENARIOS
+from loadtest.stream_scenarios import STREAM_SCENARIOS
 from loadtest.targets import format_value
+
+SCENARIOS = {**BASE_SCENARIOS, **STREAM_SCENARIOS}
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "idle": {
@@ -34,6 +37,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "presence": {"connections": 5000, "duration": 15.0},
     "storm": {"connections": 10000},
     "cluster": {"connections": 2000, "games": 200, "games_per_conn": 10, "bots": 0.1},
+    # one watcher per game: the figure is the publish path, not the fan-out
+    "publish": {
+        "connections": 1000,
+        "games": 1000,
+        "games_per_conn": 1,
+        "bots": 0.0,
+        "duration": 5.0,
+        "publishers": 32,
+    },
+    "recovery": {"connections": 5000, "games": 1000, "games_per_conn": 5, "bots": 0.0},
     "streammem": {"connections": 10000},
 }
 
@@ -47,6 +60,8 @@ HELP = {
         "over a 6-instance Redis Cluster, and a primary's kill -9"
     ),
     "baseline": "the fanout measurement of the minimal websockets.broadcast server alone",
+    "publish": "events/s into the streams from one node, and latency at half that rate",
+    "recovery": "K clients reconnect at once with since after missing events: time, lost, dups",
     "streammem": "Redis memory per stream (N streams through the Lua script), idle and full",
 }
 
@@ -103,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--rounds", type=int, default=3, help="interleaved measuring rounds (medians reported)"
     )
-    group.add_argument("--publishers", type=int, default=16, help="publish connections")
+    group.add_argument("--publishers", type=int, help="publish connections (default 16)")
 
     pres = argparse.ArgumentParser(add_help=False)
     group = pres.add_argument_group("presence")
@@ -112,6 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--hold", type=float, help="seconds each churn user stays")
     group.add_argument("--full-observers", type=int, default=2, help="observers checking state")
 
+    streams = argparse.ArgumentParser(add_help=False)
+    group = streams.add_argument_group("streams")
+    group.add_argument(
+        "--bus",
+        choices=("embedded", "redis", "both"),
+        default="both",
+        help="run a node on the in-process bus, on the Redis bus, or both in turn (default)",
+    )
+
     parser = argparse.ArgumentParser(
         prog="python -m loadtest",
         description="Load tests for the Abstract Play real-time server.",
@@ -119,13 +143,29 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
     for name in SCENARIOS:
         parents = [common]
-        if name in ("fanout", "baseline", "cluster", "idle"):
+        if name in ("fanout", "baseline", "cluster", "idle", "publish", "recovery"):
             parents.append(fan)
+        if name in STREAM_SCENARIOS:
+            parents.append(streams)
         if name in ("presence", "cluster"):
             parents.append(pres)
         sub = commands.add_parser(name, parents=parents, help=HELP[name], description=HELP[name])
         if name == "storm":
             sub.add_argument("--storm-timeout", type=float, default=60.0)
+        if name == "recovery":
+            sub.add_argument(
+                "--storm-timeout",
+                type=float,
+                default=180.0,
+                help="seconds to wait for every client's recovered answers",
+            )
+        if name == "recovery":
+            sub.add_argument(
+                "--away-events",
+                type=int,
+                default=10,
+                help="events published to each game while the clients are away",
+            )
         if name == "cluster":
             sub.add_argument("--nodes", type=int, default=2)
             sub.add_argument(
@@ -164,6 +204,7 @@ def options_from(args: argparse.Namespace) -> Options:
         "nodes",
         "failover_seconds",
         "observers",
+        "away_events",
     ):
         setattr(options, name, pick(name))
     options.workers = max(1, args.workers)
@@ -176,6 +217,8 @@ def options_from(args: argparse.Namespace) -> Options:
     options.server_args = list(args.server_arg)
     options.server_cpus = [int(c) for c in args.server_cpus.split(",") if c.strip()]
     options.progress = not args.no_progress
+    bus = getattr(args, "bus", "both")
+    options.buses = ("embedded", "redis") if bus == "both" else (bus,)
     if args.scenario == "cluster" and options.observers is None:
         options.observers = options.connections
     return options
@@ -306,11 +349,19 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
         add("RSS per connection", figs["rss_per_connection_kib"], "KiB")
     if "redis_cpu_s" in figs:
         add("Redis CPU over the scenario", figs["redis_cpu_s"], "s")
+    if "redis_memory" in figs:
+        memory = figs["redis_memory"]
+        add(
+            "Redis memory per active stream",
+            f"{_fmt(memory['per_stream_bytes'])} B ({memory['streams']} streams)",
+        )
     if "saturate" in figs:
         for phase in ("saturate", "steady"):
             p = figs[phase]
             tag = "saturated" if phase == "saturate" else "steady"
             add(f"{tag}: publish rate", p["publish_rate"], "/s")
+            if "publishes_per_cpu_s" in p:
+                add(f"{tag}: publishes per server CPU-s", p["publishes_per_cpu_s"], "/s")
             add(f"{tag}: delivered", p["delivered_per_s"], "msg/s")
             per_round = ", ".join(
                 _fmt(r[phase]["delivered_per_cpu_s"]) for r in figs.get("rounds", [])
@@ -348,6 +399,42 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
                 "listen queue overflows (system-wide)",
                 f"{queue.get('ListenOverflows', 0)} (somaxconn {figs.get('somaxconn')})",
             )
+        add("generator CPU", figs["generator_cores"], "cores")
+    if "stream_checks" in figs and "saturate" in figs:
+        c = figs["stream_checks"]
+        add(
+            "stream checks: duplicates / holes (events) / epoch changes / unpositioned",
+            f"{c['duplicates']} / {c['holes']} ({c['lost']}) / {c['epoch_changes']}"
+            f" / {c['unpositioned']}",
+        )
+    if "time_to_all_recovered_s" in figs:
+        t = figs["time_to_recovered_s"]
+        add("time until all recovered", figs["time_to_all_recovered_s"], "s")
+        add(
+            "per-client time to recovered p50/p90/p99/max",
+            f"{_fmt(t['p50_s'])} / {_fmt(t['p90_s'])} / {_fmt(t['p99_s'])} / {_fmt(t['max_s'])}",
+            "s",
+        )
+        snap = figs["time_to_snapshot_s"]
+        add(
+            "per-client time to snapshot p50/p99",
+            f"{_fmt(snap['p50_s'])} / {_fmt(snap['p99_s'])}",
+            "s",
+        )
+        add("clients recovered", f"{figs['recovered_clients']} / {figs['clients']}")
+        add("missed events / replayed", f"{figs['missed_events']} / {figs['replayed_events']}")
+        add("lost (in holes + behind the top at the end)", figs["lost"])
+        add("duplicated", figs["duplicated"])
+        add(
+            "recovered true / false / short",
+            f"{figs['recovered_true']} / {figs['recovered_false']} / {figs['recovered_short']}",
+        )
+        add("failed connects", figs["failed_connects"])
+        add(
+            "server CPU during the storm",
+            f"{_fmt(figs['server_cpu_s'])} CPU-s ({_fmt(figs['server_cores'])} cores)",
+        )
+        add("server waiting for a CPU held by others", figs["server_cpu_wait_s"], "s")
         add("generator CPU", figs["generator_cores"], "cores")
     if "all_observers_ms" in figs:
         a, p = figs["all_observers_ms"], figs["pairs_ms"]

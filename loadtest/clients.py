@@ -21,6 +21,12 @@ Above the framing it follows the live browser client's rules
 
 A bot subscribes with ``wantsPresence: false`` and its games, and only
 watches them.
+
+A client that speaks streams (``ClientSpec.streams``) also keeps, per stream,
+the last ``(epoch, offset)`` it saw, in a :class:`StreamBook` that outlives
+the connection. It subscribes with ``since`` (``{}`` the first time), checks
+that each stream's offsets arrive exactly one apart (``skip`` frames count as
+positions), and counts every duplicate, hole and ``recovered`` answer.
 """
 
 from __future__ import annotations
@@ -59,6 +65,13 @@ _DELTA = re.compile(
     rb'"joins":\[([^\]]*)\],"leaves":\[([^\]]*)\],"totalCount":(\d+)\}\}$'
 )
 _SNAPSHOT_PREFIX = b'{"verb":"connections","payload":{"type":"snapshot"'
+# Stream positions sit at the top level of a frame, beside verb and payload;
+# the load test's payloads never use these names, so a search finds them.
+_VERB = re.compile(rb'"verb":"([A-Za-z]+)"')
+_STREAM = re.compile(rb'"stream":"([^"\\]*)"')
+_EPOCH = re.compile(rb'"epoch":"([^"\\]*)"')
+_OFFSET = re.compile(rb'"offset":(\d+)')
+_STREAM_VERBS = (b"game", b"chat", b"skip")
 
 
 class HandshakeError(Exception):
@@ -79,6 +92,26 @@ class ClientSpec:
     quiet: bool = False
     """Read frames without interpreting them (churn users)."""
     invisible: bool = False
+    streams: bool = False
+    """Speak streams: subscribe with ``since`` and check every position."""
+
+
+class StreamBook:
+    """What a stream-speaking client knows, kept across its reconnects.
+
+    ``positions`` maps a stream to the last ``[epoch, offset]`` seen. ``expect``
+    is how many ``recovered`` answers the current connection waits for.
+    """
+
+    __slots__ = ("expect", "got", "positions")
+
+    def __init__(self) -> None:
+        self.positions: dict[str, list[Any]] = {}
+        self.expect = 0
+        self.got = 0
+
+    def since(self) -> dict[str, dict[str, Any]]:
+        return {s: {"epoch": e, "offset": o} for s, (e, o) in self.positions.items()}
 
 
 @dataclass(slots=True)
@@ -110,6 +143,18 @@ class Tally:
         "errors",
         "verified",
         "state_mismatches",
+        "stream_events",
+        "stream_first",
+        "skips",
+        "duplicates",
+        "holes",
+        "lost",
+        "epoch_changes",
+        "recovered",
+        "not_recovered",
+        "recovered_short",
+        "recovery_done",
+        "unpositioned",
     )
 
     def __init__(self) -> None:
@@ -129,6 +174,26 @@ class Tally:
         self.errors = 0
         self.verified = 0
         self.state_mismatches = 0
+        self.stream_events = 0
+        """Events and skips read with a position, live or replayed."""
+        self.stream_first = 0
+        """Positions seen on a stream the client had none for (no check possible)."""
+        self.skips = 0
+        self.duplicates = 0
+        """Positions at or below the last one seen in the same epoch."""
+        self.holes = 0
+        self.lost = 0
+        """Positions jumped over: the sum of every hole's width."""
+        self.epoch_changes = 0
+        self.recovered = 0
+        self.not_recovered = 0
+        self.recovered_short = 0
+        """``recovered: true`` while the client's position was below the top."""
+        self.recovery_done = 0
+        """Connections that got an answer for every stream named in ``since``."""
+        self.unpositioned = 0
+        """Stream frames without a position (a server that does not speak streams)."""
+        self.recovered_ns: list[int] = []
         self.latency: dict[int, Histogram] = {}
         self.seqs: dict[int, SeqRecord] = {}
         self.first_snapshot_ns: list[int] = []
@@ -187,8 +252,10 @@ class SimClient(asyncio.Protocol):
         port: int,
         tally: Tally,
         on_lost: LostCallback | None = None,
+        book: StreamBook | None = None,
     ) -> None:
         self.spec = spec
+        self.book = book if book is not None or not spec.streams else StreamBook()
         self.token = token
         self.host = host
         self.port = port
@@ -281,7 +348,7 @@ class SimClient(asyncio.Protocol):
                 if end > size:
                     self._need = end - pos
                     break
-                if data.startswith(_GAME_PREFIXES, start, end):
+                if self.book is None and data.startswith(_GAME_PREFIXES, start, end):
                     tally.frames += 1
                     match = _TS_SEARCH(data, start, end)
                     if match is None:
@@ -399,6 +466,11 @@ class SimClient(asyncio.Protocol):
         }
         if spec.bot:
             subscribe["wantsPresence"] = False
+        if self.book is not None:
+            since = self.book.since()
+            subscribe["since"] = since
+            self.book.expect = len(since)
+            self.book.got = 0
         self.send_json(subscribe)
         self.action_ns = time.time_ns()
         if spec.bot:
@@ -428,6 +500,8 @@ class SimClient(asyncio.Protocol):
     def _message(self, data: bytes, now: int) -> None:
         tally = self.tally
         tally.frames += 1
+        if self.book is not None and self._stream_message(data, now):
+            return
         if data.startswith(_GAME_PREFIXES):
             match = _TS.search(data)
             if match is not None:
@@ -525,3 +599,75 @@ class SimClient(asyncio.Protocol):
                 assert joins is not None and leaves is not None
                 record = tally.seqs[seq] = SeqRecord(joins=joins, leaves=leaves)
             record.arrivals.append(now)
+
+    # --- streams ------------------------------------------------------------
+
+    def _stream_message(self, data: bytes, now: int) -> bool:
+        """Track a frame's stream position; True if the frame was a stream frame."""
+        verb = _VERB.search(data)
+        if verb is None:
+            return False
+        name = verb[1]
+        if name == b"recovered":
+            self._recovered(data, now)
+            return True
+        if name not in _STREAM_VERBS:
+            return False
+        tally = self.tally
+        if name == b"skip":
+            tally.skips += 1
+        else:
+            match = _TS.search(data)
+            if match is not None:
+                tally.game_event(int(match[1]), int(match[2]), now)
+            else:
+                tally.game_events += 1
+        stream, epoch, offset = _STREAM.search(data), _EPOCH.search(data), _OFFSET.search(data)
+        if stream is None or epoch is None or offset is None:
+            tally.unpositioned += 1
+            return True
+        self._advance(stream[1].decode(), epoch[1].decode(), int(offset[1]))
+        return True
+
+    def _advance(self, stream: str, epoch: str, offset: int) -> None:
+        """Check one position against the last one seen on its stream."""
+        assert self.book is not None
+        tally = self.tally
+        tally.stream_events += 1
+        position = self.book.positions.get(stream)
+        if position is None:
+            tally.stream_first += 1
+            self.book.positions[stream] = [epoch, offset]
+            return
+        if position[1] < 0:
+            pass  # refetched after recovered:false with no known top: anything goes
+        elif position[0] != epoch:
+            tally.epoch_changes += 1
+        elif offset <= position[1]:
+            tally.duplicates += 1
+            return
+        elif offset > position[1] + 1:
+            tally.holes += 1
+            tally.lost += offset - position[1] - 1
+        position[0], position[1] = epoch, offset
+
+    def _recovered(self, data: bytes, now: int) -> None:
+        assert self.book is not None
+        tally = self.tally
+        payload = json.loads(data)["payload"]
+        stream, epoch, top = str(payload["stream"]), str(payload["epoch"]), int(payload["offset"])
+        position = self.book.positions.get(stream)
+        if payload.get("recovered") is True:
+            tally.recovered += 1
+            if position is None or position[0] != epoch or position[1] < top:
+                tally.recovered_short += 1
+        else:
+            tally.not_recovered += 1
+            # The browser refetches here; a top of 0 means the server does not
+            # know it either, so the next event, whatever it is, starts afresh.
+            self.book.positions[stream] = [epoch, top if top > 0 else -1]
+        book = self.book
+        book.got += 1
+        if book.got == book.expect:
+            tally.recovery_done += 1
+            tally.recovered_ns.append(now)

@@ -23,6 +23,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
+def run_delay_seconds(pid: int) -> float:
+    """Seconds a process's main thread was runnable but waiting for a CPU.
+
+    The second field of ``/proc/PID/schedstat``. On a shared machine it tells
+    how much of a slow wall-clock figure was other processes holding the CPU.
+    """
+    with open(f"/proc/{pid}/schedstat", "rb") as stat:
+        return int(stat.read().split()[1]) / 1e9
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of a process (``VmRSS`` of ``/proc/PID/status``)."""
     with open(f"/proc/{pid}/status", "rb") as status:

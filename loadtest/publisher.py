@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from dataclasses import dataclass, field
 from loadtest.http import HttpConnection
 
 Game = tuple[str, str]
+
+# POST /publish answers with the event's assigned position (issue 8)
+_OFFSET = re.compile(rb'"offset":(\d+)')
 
 
 @dataclass
@@ -63,6 +67,9 @@ class Publisher:
         self.games = list(games)
         self.watchers = list(watchers)
         self.random = random.Random(seed)
+        self.accepted_by_game = [0] * len(self.games)
+        self.top_offset = [0] * len(self.games)
+        """The highest offset the server's replies assigned in each game's stream."""
 
     def _body(self, game: int, ts: int, phase: int) -> bytes:
         meta, game_id = self.games[game]
@@ -76,7 +83,7 @@ class Publisher:
     ) -> None:
         stats.sent += 1
         try:
-            status, _ = await connection.request(
+            status, body = await connection.request(
                 "POST", "/publish", self._body(game, ts, stats.phase)
             )
         except Exception:
@@ -86,6 +93,10 @@ class Publisher:
         if 200 <= status < 300:
             stats.accepted += 1
             stats.expected_deliveries += self.watchers[game]
+            self.accepted_by_game[game] += 1
+            match = _OFFSET.search(body)
+            if match is not None and int(match[1]) > self.top_offset[game]:
+                self.top_offset[game] = int(match[1])
         else:
             stats.failed += 1
 
@@ -139,6 +150,19 @@ class Publisher:
         await asyncio.wait(senders, timeout=duration + 30)
         for task in senders:
             task.cancel()
+        return stats
+
+    async def each_game(self, phase: int, count: int) -> PublishStats:
+        """Publish ``count`` events to every game, as fast as the server takes them."""
+        stats = PublishStats(phase=phase, started=time.time())
+        jobs = iter([game for _ in range(count) for game in range(len(self.games))])
+
+        async def sender(connection: HttpConnection) -> None:
+            for game in jobs:
+                await self._post(connection, game, time.time_ns(), stats)
+
+        await asyncio.gather(*(sender(c) for c in self.connections))
+        stats.ended = time.time()
         return stats
 
     def close(self) -> None:

@@ -21,7 +21,12 @@ import matplotlib.pyplot as plt
 from loadtest.cli import figure_rows
 from loadtest.targets import format_value
 
-COLORS = {"baseline": "tab:gray", "ours": "tab:blue", "cluster": "tab:green"}
+COLORS = {
+    "baseline": "tab:gray",
+    "ours": "tab:blue",
+    "cluster": "tab:green",
+    "ours+redis": "tab:purple",
+}
 
 
 def write_report(result: dict[str, Any], directory: Path) -> Path:
@@ -30,7 +35,7 @@ def write_report(result: dict[str, Any], directory: Path) -> Path:
     over_time = "Throughput over time"
     if _presence_parts(result):
         over_time = "Delta latency over time (each churn action)"
-    elif result["scenario"] in ("idle", "storm"):
+    elif result["scenario"] in ("idle", "storm", "recovery"):
         over_time = "Subscribed clients over time"
     for name, title, draw in (
         ("latency.png", "Latency distribution", _latency),
@@ -102,7 +107,10 @@ def _latency(result: dict[str, Any], ax: Any) -> bool:
             )
             drawn = True
     if drawn:
-        ax.axvline(50, color="tab:red", linestyle="--", linewidth=1, label="target p99 50 ms")
+        limit = 20 if result["scenario"] == "publish" else 50
+        ax.axvline(
+            limit, color="tab:red", linestyle="--", linewidth=1, label=f"target p99 {limit} ms"
+        )
         ax.set_xlabel("publish to receive latency (ms, log)")
     for label, figs in _presence_parts(result):
         limit = figs["debounce_ms"] + 100
@@ -118,14 +126,21 @@ def _latency(result: dict[str, Any], ax: Any) -> bool:
         ax.axvline(limit, color="tab:red", linestyle="--", linewidth=1, label=f"target {limit} ms")
         ax.set_xlabel("churn action to delta received (ms, log)")
     for name, figs in result["figures"]["servers"].items():
-        cdf = figs.get("subscribed_cdf_s") or []
-        if cdf:
-            xs, ys = zip(*cdf, strict=True)
-            ax.step(xs, ys, where="post", color=_color(name), label=name)
-            ax.set_xlabel("time from the storm's start to the client's snapshot (s)")
-            drawn = True
+        for key, what in (
+            ("subscribed_cdf_s", "the client's snapshot"),
+            ("recovered_cdf_s", "the client's last recovered answer"),
+        ):
+            cdf = figs.get(key) or []
+            if cdf:
+                xs, ys = zip(*cdf, strict=True)
+                ax.step(xs, ys, where="post", color=_color(name), label=name)
+                ax.set_xlabel(f"time from the storm's start to {what} (s)")
+                drawn = True
     if drawn:
-        if not any(figs.get("subscribed_cdf_s") for figs in result["figures"]["servers"].values()):
+        storms = ("subscribed_cdf_s", "recovered_cdf_s")
+        if not any(
+            figs.get(key) for figs in result["figures"]["servers"].values() for key in storms
+        ):
             ax.set_xscale("log")
         else:
             ax.axvline(10, color="tab:red", linestyle="--", linewidth=1, label="target 10 s")
@@ -166,7 +181,11 @@ def _throughput(result: dict[str, Any], ax: Any) -> bool:
     elif scenario == "presence":
         return _presence_timeline(result, ax)
     else:
-        key, what, stages = "subscribed_active", "subscribed clients", {"connect", "settle"}
+        key, what, stages = (
+            "subscribed_active",
+            "subscribed clients",
+            {"connect", "settle", "storm"},
+        )
         ax.set_ylabel("subscribed clients")
     for server, samples in _segments(series, stages).items():
         if key == "subscribed_active":

@@ -9,6 +9,7 @@ import os
 import random
 import statistics
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,11 +18,21 @@ from loadtest.clients import WATCH_REPEATS, ClientSpec
 from loadtest.pool import WorkerPool
 from loadtest.procstat import cpu_seconds
 from loadtest.progress import Progress
-from loadtest.servers import HOST, Proc, Secrets, start_baseline, start_ours
+from loadtest.servers import (
+    HOST,
+    Proc,
+    Secrets,
+    create_table,
+    start_baseline,
+    start_moto,
+    start_ours,
+    start_redis,
+)
 from loadtest.stats import Histogram
 
 SAMPLE_INTERVAL = 0.25
 GAME_META = "loadtest"
+REDIS_NODE = "ours+redis"
 
 
 @dataclass
@@ -50,6 +61,10 @@ class Options:
     nodes: int = 2
     failover_seconds: float = 8.0
     """cluster: how long events keep flowing after a Redis Cluster primary is killed."""
+    buses: tuple[str, ...] = ("embedded", "redis")
+    """Streams scenarios: run a node on each of these buses."""
+    away_events: int = 10
+    """Recovery: events published to each game while the clients are away."""
     observers: int | None = None
     baseline: bool = True
     server_args: list[str] = field(default_factory=list)
@@ -66,6 +81,8 @@ class Meter:
 
     wall: float
     server_cpu: dict[str, float]
+    server_wait: dict[str, float]
+    """Seconds each server was runnable but waited for a CPU (other processes had it)."""
     generator_cpu: float
     worker_cpu: tuple[float, ...]
     parent_cpu: float
@@ -141,6 +158,7 @@ class Run:
         self._meter0: Meter | None = None
         self.server_cpus: set[int] = set()
         self.generator_cpus: set[int] = set()
+        self.redis_url = ""
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -207,10 +225,30 @@ class Run:
             self.base_subscribed = self.pool.total("subscribed")
 
     async def start_server(self, kind: str) -> Proc:
-        """Start ``ours`` or ``baseline`` and register it for measurement."""
+        """Start ``ours``, ``ours+redis`` or ``baseline`` and register it for measurement.
+
+        ``ours+redis`` is one cluster node: the Redis bus, and DynamoDB (moto,
+        which the Redis bus needs as its shared store); ``redis-server`` and
+        ``moto_server`` are registered as the servers ``redis`` and ``moto``.
+        """
         self.progress.log(f"starting {kind} server")
         if kind == "baseline":
             proc = await start_baseline(self.secrets)
+        elif kind == REDIS_NODE:
+            redis_proc, url = await start_redis()
+            self.add_server("redis", [self.track(redis_proc)])
+            moto_proc, endpoint = await start_moto()
+            self.add_server("moto", [self.track(moto_proc)])
+            table = f"loadtest-{uuid.uuid4().hex[:8]}"
+            await create_table(endpoint, table)
+            self.redis_url = url
+            proc = await start_ours(
+                "ours-redis",
+                self.secrets,
+                debounce_ms=self.options.debounce_ms,
+                extra_args=self.options.server_args,
+                cluster=(url, endpoint, table),
+            )
         else:
             proc = await start_ours(
                 "ours",
@@ -241,6 +279,13 @@ class Run:
                 total += proc.cpu()
         return total
 
+    def server_wait(self, label: str) -> float:
+        total = 0.0
+        for proc in self.servers.get(label, []):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += proc.cpu_wait()
+        return total
+
     def server_rss(self, label: str) -> int:
         total = 0
         for proc in self.servers.get(label, []):
@@ -254,6 +299,7 @@ class Run:
         return Meter(
             wall=time.time(),
             server_cpu={label: self.server_cpu(label) for label in self.servers},
+            server_wait={label: self.server_wait(label) for label in self.servers},
             generator_cpu=sum(workers) + parent,
             worker_cpu=workers,
             parent_cpu=parent,
@@ -285,6 +331,8 @@ class Run:
             server = end.server_cpu.get(label, 0.0) - start.server_cpu.get(label, 0.0)
             out["server_cpu_s"] = round(server, 3)
             out["server_cores"] = round(server / wall, 3)
+            waited = end.server_wait.get(label, 0.0) - start.server_wait.get(label, 0.0)
+            out["server_cpu_wait_s"] = round(waited, 3)
         return out
 
     def generator_total(self) -> dict[str, float]:

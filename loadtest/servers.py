@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.http import get
-from loadtest.procstat import cpu_seconds, rss_bytes
+from loadtest.procstat import cpu_seconds, rss_bytes, run_delay_seconds
 
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -79,6 +79,9 @@ class Proc:
 
     def rss(self) -> int:
         return rss_bytes(self.pid)
+
+    def cpu_wait(self) -> float:
+        return run_delay_seconds(self.pid)
 
     def running(self) -> bool:
         return self.process.poll() is None
@@ -262,6 +265,25 @@ async def start_redis(limit: float = 15.0) -> tuple[Proc, str]:
         await asyncio.sleep(0.1)
     proc.stop()
     raise StartError(f"redis-server did not answer PING:\n{proc.log_tail()}")
+
+
+async def redis_used_memory(url: str, limit: float = 5.0) -> int:
+    """``used_memory`` from ``INFO memory`` of the Redis at ``redis://host:port/db``."""
+    host, _, port = url.removeprefix("redis://").split("/")[0].rpartition(":")
+    async with asyncio.timeout(limit):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(b"INFO memory\r\n")
+            head = await reader.readline()  # $<length>
+            if not head.startswith(b"$"):
+                raise StartError(f"unexpected INFO reply {head!r}")
+            body = await reader.readexactly(int(head[1:]) + 2)
+        finally:
+            writer.close()
+    for line in body.splitlines():
+        if line.startswith(b"used_memory:"):
+            return int(line.split(b":", 1)[1])
+    raise StartError("INFO memory has no used_memory")
 
 
 async def start_moto(limit: float = 60.0) -> tuple[Proc, str]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import jwt
 
-from loadtest.clients import ClientSpec, HandshakeError, SimClient, Tally
+from loadtest.clients import ClientSpec, HandshakeError, SimClient, StreamBook, Tally
 from loadtest.procstat import raise_fd_limit
 
 TICK = 0.25
@@ -59,7 +59,7 @@ def mint_token(secret: str, user_id: str) -> str:
 class Slot:
     """One simulated user's place: its spec, endpoint and current connection."""
 
-    __slots__ = ("attempts", "client", "endpoint", "spec", "token")
+    __slots__ = ("attempts", "book", "client", "endpoint", "spec", "token")
 
     def __init__(self, spec: ClientSpec, token: str, endpoint: Endpoint) -> None:
         self.spec = spec
@@ -67,6 +67,8 @@ class Slot:
         self.endpoint = endpoint
         self.client: SimClient | None = None
         self.attempts = 0
+        # the stream positions outlive each connection, as a browser's would
+        self.book = StreamBook() if spec.streams else None
 
 
 class Worker:
@@ -154,6 +156,11 @@ class Worker:
                     prefix=message["prefix"],
                     start_ns=message["start_ns"],
                 )
+            elif op == "reconnect":
+                await self.reconnect_all(message["at_ns"], message.get("timeout", 15.0))
+            elif op == "positions":
+                self.send({"op": op, **self.positions(message["tops"])})
+                return
             elif op == "verify":
                 await self.verify(message["timeout"])
             elif op == "collect":
@@ -226,7 +233,7 @@ class Worker:
 
     async def _attempt(self, slot: Slot) -> bool:
         host, port = slot.endpoint
-        client = SimClient(slot.spec, slot.token, host, port, self.tally, self._lost)
+        client = SimClient(slot.spec, slot.token, host, port, self.tally, self._lost, slot.book)
         client.started_ns = time.time_ns()
         if slot.client is not None:
             self.slot_of.pop(slot.client, None)
@@ -278,6 +285,56 @@ class Worker:
         for slot in self.slots:
             if slot.client is not None:
                 slot.client.abort()
+
+    async def reconnect_all(self, at_ns: int, limit: float) -> None:
+        """Open every slot again at ``at_ns``, the clients keeping what they knew.
+
+        The slots must have been closed with ``close_all``. Stream clients
+        subscribe with ``since`` their last positions: a reconnect storm.
+        """
+        self.connect_timeout = limit
+        self.tally.first_snapshot_ns = []
+        self.tally.recovered_ns = []
+        for slot in self.slots:
+            slot.attempts = 0
+        await asyncio.sleep(max(0.0, (at_ns - time.time_ns()) / 1e9))
+        self.stopping = False
+        await asyncio.gather(*(self._open(slot) for slot in self.slots))
+
+    def positions(self, tops: dict[str, Any]) -> Message:
+        """Compare every stream client's last positions with each stream's top.
+
+        ``tops`` maps a stream to its last offset. ``behind`` sums how far
+        clients are below it (events never received; a stream with no
+        position at all counts whole), ``ahead`` how far above; ``epochs``
+        lists each stream's epochs seen by these clients.
+        """
+        behind = ahead = unknown = checked = 0
+        epochs: dict[str, set[str]] = {}
+        for slot in self.slots:
+            if slot.book is None:
+                continue
+            for meta, game_id in slot.spec.games:
+                stream = f"game:{meta}#{game_id}"
+                top = tops.get(stream)
+                if top is None:
+                    continue
+                position = slot.book.positions.get(stream)
+                checked += 1
+                if position is None:
+                    unknown += 1
+                    behind += int(top)
+                    continue
+                epochs.setdefault(stream, set()).add(position[0])
+                behind += max(0, int(top) - position[1])
+                ahead += max(0, position[1] - int(top))
+        return {
+            "checked": checked,
+            "behind": behind,
+            "ahead": ahead,
+            "unknown": unknown,
+            "epochs": {stream: sorted(seen) for stream, seen in epochs.items()},
+        }
 
     async def verify(self, limit: float) -> None:
         """Full observers ask for a snapshot and compare it with the state they built."""
@@ -359,6 +416,7 @@ class Worker:
                 for seq, record in tally.seqs.items()
             },
             "first_snapshot_ns": tally.first_snapshot_ns,
+            "recovered_ns": tally.recovered_ns,
             "started_ns": [
                 slot.client.started_ns for slot in self.slots if slot.client is not None
             ],

@@ -143,6 +143,9 @@ class Coordination:
 
 STOP_DRAIN_SECONDS = 2.0
 
+HISTORY_READS_IN_FLIGHT = 16
+"""History reads a node runs at once: half the Redis pool (32), leaving the rest
+for publishes and presence."""
 
 REPLAY_FRAME_CACHE = 4096
 """Replayed frames kept for other clients recovering the same events."""
@@ -182,6 +185,11 @@ class Node:
         # Streams whose hole is being filled from history -> events that arrived meanwhile.
         self._repairing: dict[str, list[tuple[PositionedData, Broadcast]]] = {}
         self._reads: dict[tuple[str, int], asyncio.Future[HistoryRead[Broadcast]]] = {}
+        # A reconnect storm asks for thousands of history reads at once. They
+        # queue here, where they wait as long as it takes (live events are
+        # buffered meanwhile), not in the Redis pool, whose waiters fail after
+        # its timeout and would turn a slow recovery into recovered:false.
+        self._read_gate = asyncio.Semaphore(HISTORY_READS_IN_FLIGHT)
         # Replayed frames, shared by every client recovering the same events.
         self._replay_frames: OrderedDict[tuple[str, str, int, bool], Frame] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
@@ -670,7 +678,8 @@ class Node:
         return done
 
     async def _read_decoded(self, stream: str, after: int) -> HistoryRead[Broadcast]:
-        history = await self.streams.read(stream, after)
+        async with self._read_gate:
+            history = await self.streams.read(stream, after)
         return HistoryRead(history.epoch, history.top, tuple(_decode_entries(history.entries)))
 
     def _recipients(self, stream: str) -> set[Session]:

@@ -2,8 +2,8 @@
 
 The runs are real: servers start as subprocesses, generator workers connect
 over 127.0.0.1, and each run writes its JSON (and for some a report with
-plots). They run three at a time to keep the whole module near a minute on
-a two-core machine. The assertions check that the figures exist and are
+plots). They run three at a time to keep the whole module near a minute and a
+half on a two-core machine. The assertions check that the figures exist and are
 sane, not that the targets are met: targets are for full-size runs.
 """
 
@@ -49,9 +49,12 @@ SCENARIOS: dict[str, list[str]] = {
     "storm": ["-n", "20"],
     "presence": ["-n", "20", *PRESENCE],
     "cluster": [*FANOUT, *PRESENCE, "--no-baseline", "--failover-seconds", "4"],
+    # both run a node on the in-process bus, then one on Redis (+ moto)
+    "publish": [*FANOUT, "--games", "20", "--games-per-conn", "1"],
+    "recovery": ["-n", "20", "--games", "10", "--games-per-conn", "5", "--away-events", "3"],
     "streammem": ["-n", "50"],
 }
-WITH_REPORT = {"fanout", "presence", "storm"}
+WITH_REPORT = {"fanout", "presence", "storm", "recovery"}
 
 
 @dataclass
@@ -173,6 +176,39 @@ def test_presence(outcomes: dict[str, Outcome]) -> None:
     servers = _figures(outcomes, "presence")
     _check_presence(servers["ours"])
     report = outcomes["presence"].report
+    assert report is not None and (report / "latency.png").exists()
+
+
+def test_publish(outcomes: dict[str, Outcome]) -> None:
+    servers = _figures(outcomes, "publish")
+    assert set(servers) == {"baseline", "ours", "ours+redis"}
+    _check_fanout(servers.pop("baseline"))
+    for figs in servers.values():
+        _check_fanout(figs)
+        assert figs["saturate"]["publishes_per_cpu_s"] > 0
+        checks = figs["stream_checks"]
+        # every event arrived with a position, one apart from the last on its stream
+        assert checks["stream_events"] >= figs["saturate"]["delivered"], checks
+        assert checks["unpositioned"] == 0, checks
+        assert checks["duplicates"] == checks["holes"] == checks["epoch_changes"] == 0, checks
+    assert servers["ours+redis"]["redis_memory"]["streams"] == 20
+
+
+def test_recovery(outcomes: dict[str, Outcome]) -> None:
+    servers = _figures(outcomes, "recovery")
+    assert set(servers) == {"ours", "ours+redis"}
+    for figs in servers.values():
+        assert figs["positions_known_before"] == 20 * 5
+        assert figs["all_recovered"] and _finite(figs["time_to_all_recovered_s"]), figs
+        assert figs["recovered_true"] == 20 * 5
+        assert figs["recovered_false"] == figs["recovered_short"] == 0
+        # 3 events per stream were missed, and replayed exactly once each
+        assert figs["missed_events"] == 20 * 5 * 3
+        assert figs["replayed_events"] == figs["missed_events"]
+        assert figs["lost"] == figs["duplicated"] == 0
+        assert figs["streams_checked_at_end"] == 20 * 5
+        assert figs["streams_unknown_at_end"] == figs["ahead_of_top_at_end"] == 0
+    report = outcomes["recovery"].report
     assert report is not None and (report / "latency.png").exists()
 
 
