@@ -116,7 +116,11 @@ async def through_failover(
     while True:
         try:
             return await call()
-        except (RedisError, OSError):
+        except (RedisError, OSError, AttributeError, RuntimeError):
+            # redis-py 8.1's cluster client re-reads the slot map after a node
+            # fails and closes connections that other commands are about to
+            # write on ("handler is closed", a None writer): nothing was sent,
+            # so those are retried like a refused connection.
             if closing() or time.monotonic() + FAILOVER_RETRY_S > deadline:
                 raise
             publish_retries.inc()
