@@ -37,6 +37,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "presence": {"connections": 5000, "duration": 15.0},
     "storm": {"connections": 10000},
     "cluster": {"connections": 2000, "games": 200, "games_per_conn": 10, "bots": 0.1},
+    "bots": {"connections": 500, "games_per_conn": 10, "rate": 200.0, "duration": 10.0},
+    "abuse": {
+        "connections": 1000,
+        "games": 200,
+        "games_per_conn": 10,
+        "bots": 0.1,
+        "duration": 4.0,
+        "rate": 100.0,
+    },
+    "churn": {"connections": 500, "rounds": 20},
     # one watcher per game: the figure is the publish path, not the fan-out
     "publish": {
         "connections": 1000,
@@ -60,6 +70,10 @@ HELP = {
         "over a 6-instance Redis Cluster, and a primary's kill -9"
     ),
     "baseline": "the fanout measurement of the minimal websockets.broadcast server alone",
+    "bots": "bots on one node get yourTurn events published via another; that node restarts",
+    "abuse": "attacks on one node while N normal clients receive events: their p99, RSS, "
+    "losses, and every attacker's close code",
+    "churn": "rounds of N connect/subscribe/close: server memory left behind",
     "publish": "events/s into the streams from one node, and latency at half that rate",
     "recovery": "K clients reconnect at once with since after missing events: time, lost, dups",
     "streammem": "Redis memory per stream (N streams through the Lua script), idle and full",
@@ -116,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup-seconds", type=float, default=2.0, help="unmeasured publishing per server"
     )
     group.add_argument(
-        "--rounds", type=int, default=3, help="interleaved measuring rounds (medians reported)"
+        "--rounds", type=int, help="rounds (fanout: interleaved, medians reported; default 3)"
     )
     group.add_argument("--publishers", type=int, help="publish connections (default 16)")
 
@@ -143,7 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
     for name in SCENARIOS:
         parents = [common]
-        if name in ("fanout", "baseline", "cluster", "idle", "publish", "recovery"):
+        if name in (
+            "fanout",
+            "baseline",
+            "cluster",
+            "idle",
+            "publish",
+            "recovery",
+            "bots",
+            "abuse",
+            "churn",
+        ):
             parents.append(fan)
         if name in STREAM_SCENARIOS:
             parents.append(streams)
@@ -172,6 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
                 "--failover-seconds",
                 type=float,
                 help="events keep flowing this long after a Redis Cluster primary is killed",
+            )
+        if name == "abuse":
+            sub.add_argument(
+                "--attackers", type=float, default=1.0, help="scale of every attack's count"
+            )
+            sub.add_argument(
+                "--pad", type=int, default=2000, help="payload bytes added to each steady event"
+            )
+            sub.add_argument(
+                "--attack", action="append", default=[], help="run only this attack (repeat)"
             )
     return parser
 
@@ -217,6 +251,10 @@ def options_from(args: argparse.Namespace) -> Options:
     options.server_args = list(args.server_arg)
     options.server_cpus = [int(c) for c in args.server_cpus.split(",") if c.strip()]
     options.progress = not args.no_progress
+    if args.scenario == "abuse":
+        options.attackers = args.attackers
+        options.abuse_pad = args.pad
+        options.attacks = list(args.attack)
     bus = getattr(args, "bus", "both")
     options.buses = ("embedded", "redis") if bus == "both" else (bus,)
     if args.scenario == "cluster" and options.observers is None:
@@ -400,6 +438,40 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{queue.get('ListenOverflows', 0)} (somaxconn {figs.get('somaxconn')})",
             )
         add("generator CPU", figs["generator_cores"], "cores")
+    if "missed" in figs and "restart" in figs:
+        steady, restart = figs["steady"], figs["restart"]
+        lat = steady["latency"]
+        add("bots x games per bot", f"{figs['bots']} x {figs['games_per_bot']}")
+        add("yourTurn rate (steady)", figs["steady_publish_rate"], "/s")
+        add(
+            "steady: publish -> bot p50/p99/p999",
+            f"{_fmt(lat['p50_ms'])} / {_fmt(lat['p99_ms'])} / {_fmt(lat['p999_ms'])}",
+            "ms",
+        )
+        add("steady: server CPU (both nodes)", steady["server_cores"], "cores")
+        add(
+            "restart: stopped / ready again / all bots resubscribed",
+            f"{_fmt(restart['stop_s'])} / {_fmt(restart['back_ready_s'])} / "
+            f"{_fmt(restart['all_resubscribed_s'])}",
+            "s",
+        )
+        add("restart: bots resubscribed", f"{restart['resubscribed']} / {figs['bots']}")
+        add(
+            "restart: recovered true / false",
+            f"{restart['recovered_true']} / {restart['recovered_false']}",
+        )
+        rep = restart["latency_incl_replay"]
+        add(
+            "during and after the restart: p50/p99/max (incl. replays)",
+            f"{_fmt(rep['p50_ms'])} / {_fmt(rep['p99_ms'])} / {_fmt(rep['max_ms'])}",
+            "ms",
+        )
+        add("turns accepted / publish failures", f"{figs['accepted']} / {figs['publish_failures']}")
+        add("turns missed / duplicates", f"{figs['missed']} / {figs['duplicates']}")
+        add(
+            "pendingTurns frames / wrong",
+            f"{figs['pending_turns_frames']} / {figs['pending_turns_wrong']}",
+        )
     if "stream_checks" in figs and "saturate" in figs:
         c = figs["stream_checks"]
         add(

@@ -67,15 +67,17 @@ class Publisher:
         self.games = list(games)
         self.watchers = list(watchers)
         self.random = random.Random(seed)
+        self.pad = ""  # extra payload bytes per event (abuse: fills slow readers' outboxes)
         self.accepted_by_game = [0] * len(self.games)
         self.top_offset = [0] * len(self.games)
         """The highest offset the server's replies assigned in each game's stream."""
 
     def _body(self, game: int, ts: int, phase: int) -> bytes:
         meta, game_id = self.games[game]
+        pad = f',"pad":"{self.pad}"' if self.pad else ""
         return (
             f'{{"verb":"game","payload":{{"meta":"{meta}","id":"{game_id}",'
-            f'"ts":{ts},"ph":{phase}}}}}'
+            f'"ts":{ts},"ph":{phase}{pad}}}}}'
         ).encode()
 
     async def _post(

@@ -73,6 +73,12 @@ class Options:
     progress: bool = True
     timeout: float = 1800.0
     seed: int = 1
+    attackers: float = 1.0
+    """abuse: scale of each attack's attacker count."""
+    attacks: list[str] = field(default_factory=list)
+    """abuse: run only these attacks (default: all)."""
+    abuse_pad: int = 2000
+    """abuse: payload bytes added to each steady event, so slow readers fill up."""
 
 
 @dataclass(frozen=True)
@@ -224,8 +230,9 @@ class Run:
         if kind == "connect":
             self.base_subscribed = self.pool.total("subscribed")
 
-    async def start_server(self, kind: str) -> Proc:
-        """Start ``ours``, ``ours+redis`` or ``baseline`` and register it for measurement.
+    async def start_server(self, kind: str, extra_args: Sequence[str] = ()) -> Proc:
+        """Start ``ours``, ``ours+redis``, ``baseline``, or our server under another
+        label with ``extra_args``, and register it for measurement.
 
         ``ours+redis`` is one cluster node: the Redis bus, and DynamoDB (moto,
         which the Redis bus needs as its shared store); ``redis-server`` and
@@ -254,7 +261,7 @@ class Run:
                 "ours",
                 self.secrets,
                 debounce_ms=self.options.debounce_ms,
-                extra_args=self.options.server_args,
+                extra_args=[*self.options.server_args, *extra_args],
             )
         self.track(proc)
         self.add_server(kind, [proc])

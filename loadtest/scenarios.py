@@ -1,4 +1,4 @@
-"""The scenarios: idle, fanout, presence, storm, cluster and baseline.
+"""The scenarios: idle, fanout, presence, storm, cluster, baseline and bots (``bots.py``).
 
 Each returns a JSON-ready dict: per server (``baseline``, ``ours``, or the
 cluster) its figures, the ratios of ours to the baseline measured in the
@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.abuse import abuse, churn, run_metrics
+from loadtest.bots import bots
 from loadtest.clients import ClientSpec
 from loadtest.failover import measure as measure_failover
 from loadtest.pool import WorkerError
@@ -635,18 +637,28 @@ async def storm(run: Run) -> Result:
     options = run.options
     specs = [ClientSpec(user_id=f"s{index}") for index in range(options.connections)]
     servers: dict[str, Any] = {}
-    for kind in _servers(options):
-        proc = await run.start_server(kind)
+    # ours twice: with the verified-token cache (the default) and without it;
+    # each then takes a reconnect storm of the same clients with the same tokens.
+    kinds = [*_servers(options), NO_TOKEN_CACHE]
+    for kind in kinds:
+        extra = ["--token-cache-size=0"] if kind == NO_TOKEN_CACHE else []
+        proc = await run.start_server(kind, extra)
         servers[kind] = await _storm_one(run, kind, proc, specs)
+        if kind != "baseline":
+            servers[kind]["reconnect"] = await _reconnect_storm(run, kind, proc, len(specs))
         await run.stop_servers(kind)
     result: Result = {"servers": servers}
+    result["ratios"] = {
+        "reconnect_server_cpu_token_cache_on_over_off": ratio(
+            servers["ours"]["reconnect"]["server_cpu_s"],
+            servers[NO_TOKEN_CACHE]["reconnect"]["server_cpu_s"],
+        )
+    }
     if "baseline" in servers:
-        result["ratios"] = {
-            "time_to_all_subscribed": ratio(
-                servers["ours"]["time_to_all_subscribed_s"],
-                servers["baseline"]["time_to_all_subscribed_s"],
-            )
-        }
+        result["ratios"]["time_to_all_subscribed"] = ratio(
+            servers["ours"]["time_to_all_subscribed_s"],
+            servers["baseline"]["time_to_all_subscribed_s"],
+        )
     ours = servers["ours"]
     result["targets"] = [
         check(
@@ -726,6 +738,39 @@ async def _storm_one(run: Run, label: str, proc: Proc, specs: Sequence[ClientSpe
         "counters": counters,
         **meter,
     }
+
+
+NO_TOKEN_CACHE = "ours_no_token_cache"
+
+
+async def _reconnect_storm(run: Run, label: str, proc: Proc, count: int) -> Result:
+    """Every client dropped and back at once with its token: server CPU until all
+    are subscribed again (the token cache's saving shows here)."""
+    await run.pool.broadcast({"op": "close_all"}, limit=30)  # the drop is not measured
+    await asyncio.sleep(1.0)
+    run.activate(label, "reconnect")
+    already = run.pool.total("subscribed")
+    hits_before = (await run_metrics(proc)).get("ap_token_cache_hits_total", 0.0)
+    before = run.meter()
+    for index in run.observer_workers:
+        message = {
+            "op": "reconnect",
+            "at_ns": time.time_ns(),
+            "timeout": run.options.connect_timeout,
+        }
+        run.pool.send(index, message)
+    done = await run.wait_for(
+        f"{label}: reconnect storm",
+        lambda: run.pool.total("subscribed") - already,
+        count,
+        limit=run.options.storm_timeout,
+    )
+    meter = run.interval(before, run.meter(), label)
+    hits = (await run_metrics(proc)).get("ap_token_cache_hits_total", 0.0) - hits_before
+    with contextlib.suppress(WorkerError):
+        await run.replies("reconnect", limit=30)
+    await run.pool.broadcast({"op": "close_all"}, limit=30)
+    return {"all_subscribed": done, "token_cache_hits": int(hits), **meter}
 
 
 def _summary_s(times: Sequence[float]) -> dict[str, float]:
@@ -887,6 +932,9 @@ def _rcluster_verdicts(options: Options, fan: dict[str, Any], failover: Result) 
 
 
 SCENARIOS = {
+    "bots": bots,
+    "abuse": abuse,
+    "churn": churn,
     "idle": idle,
     "fanout": fanout,
     "presence": presence,

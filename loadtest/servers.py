@@ -170,14 +170,16 @@ async def start_ours(
     extra_args: list[str] | None = None,
     cluster: tuple[str, str, str] | None = None,
     limit: float = 60.0,
+    ports: tuple[int, int] | None = None,
 ) -> Proc:
     """Our server as a subprocess: ``python -m server serve ...``.
 
     ``cluster`` is ``(redis_url, dynamodb_endpoint, table)`` for a cluster node;
     a ``redis_url`` naming several ``redis://`` nodes (comma-separated) is a
     Redis Cluster, passed as ``--redis-cluster-url``.
+    ``ports`` (WebSocket, HTTP) restarts a node where its clients look for it.
     """
-    ws_port, http_port = free_port(), free_port()
+    ws_port, http_port = ports if ports is not None else (free_port(), free_port())
     argv = [
         sys.executable,
         "-m",

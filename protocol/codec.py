@@ -19,6 +19,7 @@ from protocol.messages import (
     AdminTest,
     ChatAck,
     GameEvent,
+    PendingTurns,
     Positioned,
     PresenceDelta,
     PresenceSnapshot,
@@ -82,6 +83,9 @@ def to_wire(message: ServerMessage) -> dict[str, Any]:
         }
     if isinstance(message, AdminTest):
         return {"verb": "test", "payload": message.payload}
+    if isinstance(message, PendingTurns):
+        games = [{"meta": meta, "id": game_id} for meta, game_id in message.games]
+        return {"verb": "pendingTurns", "payload": {"games": games}}
     if isinstance(message, ChatAck):
         return {
             "verb": "chatAck",

@@ -16,7 +16,9 @@ class ErrorCode(StrEnum):
     TOO_MANY_GAMES = "too_many_games"
     USER_MISMATCH = "user_mismatch"
     UNAVAILABLE = "unavailable"
+    # flood credits spent (the close 1008 follows), or chat over --chat-rate (nothing stored)
     RATE_LIMITED = "rate_limited"
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # the close (4509) follows
     COMMENT_EMPTY = "comment_empty"
     COMMENT_TOO_LONG = "comment_too_long"
     COMMENTS_FULL = "comments_full"
@@ -30,10 +32,14 @@ class CloseCode(IntEnum):
     """WebSocket close codes the server uses."""
 
     GOING_AWAY = 1001  # the browser treats this as an idle timeout
-    POLICY_VIOLATION = 1008  # bad token
+    POLICY_VIOLATION = 1008  # bad token, or a flood (after a rate_limited error frame)
     MESSAGE_TOO_BIG = 1009  # frame over MAX_FRAME_BYTES
     SERVICE_RESTART = 1012  # drain on deploy: reconnect at once
+    TRY_AGAIN_LATER = 1013  # a token or a bot's games could not be checked now
     SLOW_CONSUMER = 4008  # outbox overflow: the client could not keep up
+    SUBSCRIBE_DEADLINE = 4408  # no subscribe within --subscribe-timeout
+    # over --max-connections-per-user (bots: --bot-max-connections)
+    TOO_MANY_CONNECTIONS = 4509
 
 
 class ProtocolError(Exception):
@@ -55,6 +61,9 @@ MAX_WATCHED_GAMES = 1000
 
 MAX_GAME_FIELD_CHARS = 128
 """Longest ``meta`` or ``id`` of a game ref."""
+
+GAME_KEY_SEPARATOR = "#"
+"""Joins ``meta`` and ``id`` in a game key; ``meta`` may not contain it, so keys never collide."""
 
 MAX_TOKEN_CHARS = 16 * 1024
 

@@ -39,7 +39,8 @@ class Subscribe:
 
     token: str
     invisible: bool = False
-    wants_presence: bool = True
+    # None when the client did not say: humans then get presence, bots do not.
+    wants_presence: bool | None = None
     watch_version: int | None = None
     # None means the client sent no ``games`` field (a legacy client).
     games: frozenset[GameKey] | None = None
@@ -170,6 +171,13 @@ class ChatAck:
 
 
 @dataclass(frozen=True, slots=True)
+class PendingTurns:
+    """``pendingTurns``: every current game where a bot is to move, sent on subscribe."""
+
+    games: tuple[tuple[str, str], ...]  # (meta, id)
+
+
+@dataclass(frozen=True, slots=True)
 class Positioned:
     """A stream event as sent to clients: the event plus its stream position."""
 
@@ -208,6 +216,7 @@ ServerMessage = (
     | Positioned
     | Skip
     | Recovered
+    | PendingTurns
     | ChatAck
 )
 

@@ -15,6 +15,7 @@ import msgpack
 
 from protocol.chat import parse_chat
 from protocol.errors import (
+    GAME_KEY_SEPARATOR,
     MAX_GAME_FIELD_CHARS,
     MAX_TOKEN_CHARS,
     MAX_WATCHED_GAMES,
@@ -98,7 +99,7 @@ def _parse_subscribe(message: Mapping[str, Any]) -> Subscribe:
     return Subscribe(
         token=token,
         invisible=_parse_bool(message, "invisible", default=False),
-        wants_presence=_parse_bool(message, "wantsPresence", default=True),
+        wants_presence=_parse_optional_bool(message, "wantsPresence"),
         watch_version=watch_version,
         games=_parse_games(message.get("games"), required=False),
         since=parse_since(message.get("since")),
@@ -144,10 +145,13 @@ def parse_since(value: Any) -> Since | None:
 
 
 def _parse_bool(message: Mapping[str, Any], name: str, *, default: bool) -> bool:
+    value = _parse_optional_bool(message, name)
+    return default if value is None else value
+
+
+def _parse_optional_bool(message: Mapping[str, Any], name: str) -> bool | None:
     value = message.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
+    if value is not None and not isinstance(value, bool):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"'{name}' must be true or false")
     return value
 
@@ -167,6 +171,7 @@ def _parse_games(value: Any, *, required: bool) -> frozenset[GameKey] | None:
         meta, game_id = entry.get("meta"), entry.get("id")
         if not _is_game_field(meta) or not _is_game_field(game_id):
             continue
+        _check_meta(meta)
         keys.add(game_key(meta, game_id))
         if len(keys) > MAX_WATCHED_GAMES:
             raise ProtocolError(
@@ -174,6 +179,15 @@ def _parse_games(value: Any, *, required: bool) -> frozenset[GameKey] | None:
                 f"at most {MAX_WATCHED_GAMES} games can be watched at once",
             )
     return frozenset(keys)
+
+
+def _check_meta(meta: str) -> None:
+    # ("a#b", "c") and ("a", "b#c") would share the key "a#b#c" and each
+    # other's events; no game's meta holds the separator.
+    if GAME_KEY_SEPARATOR in meta:
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE, f"a game's 'meta' may not contain {GAME_KEY_SEPARATOR!r}"
+        )
 
 
 def _is_game_field(value: Any) -> TypeGuard[str]:
@@ -219,6 +233,7 @@ def parse_broadcast(body: bytes | str) -> Broadcast:
             raise ProtocolError(
                 ErrorCode.INVALID_MESSAGE, f"'{verb}' payload needs string 'meta' and 'id'"
             )
+        _check_meta(meta)
         _check_encodable(payload)
         event = GameEvent(
             verb="game" if verb == "game" else "chat",

@@ -9,10 +9,12 @@ import logging
 import resource
 import signal
 from collections.abc import Sequence
+from http import HTTPStatus
 
 from aiohttp import web
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
 from protocol.errors import (
@@ -24,16 +26,19 @@ from protocol.errors import (
 )
 from protocol.messages import Chat, Subscribe, SyncPresence, WatchGames
 from protocol.parse import parse_client_frame
-from server.auth import Authenticator, CognitoVerifier, DevVerifier
+from server.auth import Authenticator, BotVerifier, CognitoVerifier, DevVerifier
 from server.bus.base import Bus
 from server.bus.memory import MemoryBus
 from server.bus.streams import MemoryStreams
 from server.config import Settings
-from server.connection import Session
+from server.connection import GuardedConnection, Session
 from server.ingress.http import build_app
+from server.jwks import jwks_source
+from server.limits import TokenBucket
 from server.metrics import REGISTRY
 from server.node import Coordination, Node
 from server.presence import MemoryPresenceBackend, PresenceBackend
+from server.reclaim import Reclaimer
 from server.store.base import Store
 from server.store.memory import MemoryStore
 
@@ -46,10 +51,19 @@ def build_authenticator(settings: Settings) -> Authenticator:
     cognito = None
     if settings.cognito_issuer is not None and settings.cognito_client_id is not None:
         cognito = CognitoVerifier(
-            settings.cognito_issuer, settings.cognito_client_id, settings.jwks_file
+            settings.cognito_issuer,
+            settings.cognito_client_id,
+            jwks_source(settings.cognito_issuer, settings.jwks_file),
+        )
+    bot = None
+    if settings.bot_cognito_issuer is not None and settings.bot_scope is not None:
+        bot = BotVerifier(
+            settings.bot_cognito_issuer,
+            settings.bot_scope,
+            jwks_source(settings.bot_cognito_issuer, settings.bot_jwks_file),
         )
     dev = DevVerifier(settings.dev_jwt_secret) if settings.dev_jwt_secret else None
-    return Authenticator(cognito=cognito, dev=dev)
+    return Authenticator(cognito=cognito, dev=dev, bot=bot, cache_size=settings.token_cache_size)
 
 
 def build_store(settings: Settings) -> Store:
@@ -137,20 +151,50 @@ def _select_subprotocol(
 class Handler:
     """Runs one socket's session: read frames in order, act, answer."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, reclaimer: Reclaimer | None = None) -> None:
         self.node = node
-        self.limit = node.settings.outbox_limit_bytes
+        self.reclaimer = reclaimer
+        settings = node.settings
+        self.limit = settings.outbox_limit_bytes
+        self.credits = settings.flood_credits
+        self.refill = settings.flood_credits / settings.flood_window_seconds
+        self.subscribe_timeout = settings.subscribe_timeout
 
     async def __call__(self, ws: ServerConnection) -> None:
-        session = Session(ws)
+        # The library's subprotocol callback closes over the connection, which
+        # holds the protocol that holds the callback: a cycle that outlives the
+        # socket until a full collection. The handshake is over; drop it.
+        vars(ws.protocol).pop("select_subprotocol", None)
+        loop = asyncio.get_running_loop()
+        session = Session(ws, TokenBucket(self.credits, self.refill, loop.time()))
+        if isinstance(ws, GuardedConnection):
+            ws.session = session
+        if self.subscribe_timeout > 0:
+            session.deadline = loop.call_later(self.subscribe_timeout, self._deadline, session)
         self.node.opened(session)
         try:
             async for data in ws:
-                await self.receive(session, data)
+                if session.close_task is None:  # a flooder's backlog is not worth handling
+                    await self.receive(session, data)
+                # Frames already buffered come without a pause: let other sockets
+                # and the fan-out run between two of this one's frames.
+                await asyncio.sleep(0)
         except ConnectionClosed:
             pass
         finally:
+            if session.deadline is not None:
+                session.deadline.cancel()
             self.node.closed(session)
+            if isinstance(ws, GuardedConnection):
+                ws.session = None  # no cycle between a closed socket and its session
+            if self.reclaimer is not None:
+                self.reclaimer.closed()
+
+    @staticmethod
+    def _deadline(session: Session) -> None:
+        session.deadline = None
+        if not session.subscribed:
+            session.close(CloseCode.SUBSCRIBE_DEADLINE, "no subscribe in time")
 
     async def receive(self, session: Session, data: str | bytes) -> None:
         try:
@@ -175,10 +219,55 @@ class Handler:
             await self.node.chat.post(session, action)
 
 
-async def start_listeners(node: Node) -> tuple[Server, web.AppRunner]:
+refused_upgrades = REGISTRY.counter(
+    "ap_refused_upgrades_total", "WebSocket upgrades answered 503 (node cap or accept rate)"
+)
+
+
+class Admission:
+    """Refuses upgrades with 503 before any WebSocket state exists: over the
+    node's connection cap, or faster than the accept rate (with Retry-After)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        settings = node.settings
+        self.max_connections = settings.max_connections
+        self.bucket: TokenBucket | None = None
+        if settings.accept_rate > 0:
+            rate = settings.accept_rate
+            self.bucket = TokenBucket(rate, rate, asyncio.get_running_loop().time())
+
+    def check(self, connection: ServerConnection, request: Request) -> Response | None:
+        if self.max_connections and len(self.node.sessions) >= self.max_connections:
+            refused_upgrades.inc()
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "node is full\n")
+        bucket = self.bucket
+        if bucket is not None:
+            now = asyncio.get_running_loop().time()
+            if not bucket.take(now):
+                refused_upgrades.inc()
+                response = connection.respond(
+                    HTTPStatus.SERVICE_UNAVAILABLE, "too many new connections\n"
+                )
+                response.headers["Retry-After"] = str(bucket.retry_after(now))
+                return response
+        return None
+
+
+async def start_listeners(
+    node: Node, reclaimer: Reclaimer | None = None
+) -> tuple[Server, web.AppRunner]:
     settings = node.settings
+    guarded = type(
+        "NodeConnection",
+        (GuardedConnection,),
+        {
+            "outbox_limit": settings.outbox_limit_bytes,
+            "send_buffer_bytes": settings.socket_send_buffer_bytes,
+        },
+    )
     ws_server = await serve(
-        Handler(node),
+        Handler(node, reclaimer),
         settings.host,
         settings.port,
         select_subprotocol=_select_subprotocol,
@@ -188,6 +277,8 @@ async def start_listeners(node: Node) -> tuple[Server, web.AppRunner]:
         ping_timeout=settings.ping_timeout,
         close_timeout=settings.close_timeout,
         backlog=settings.listen_backlog,
+        create_connection=guarded,
+        process_request=Admission(node).check,
     )
     runner = web.AppRunner(build_app(node), access_log=None)
     await runner.setup()
@@ -224,7 +315,9 @@ async def serve_forever(settings: Settings) -> None:
         loop.add_signal_handler(signum, stop.set)
     node = await build_node(settings)
     await node.start()
-    ws_server, runner = await start_listeners(node)
+    reclaimer = Reclaimer()
+    ws_server, runner = await start_listeners(node, reclaimer)
+    reclaimer.start()
     gc.freeze()  # what start-up allocated lives as long as the process
     mode = (
         "cluster node (Redis Cluster bus)"
@@ -247,6 +340,7 @@ async def serve_forever(settings: Settings) -> None:
     await stop.wait()
     log.info("shutting down: closing sessions and deleting this node's rows")
     ws_server.close(close_connections=False)
+    await reclaimer.stop()
     await node.stop()
     with contextlib.suppress(Exception):
         await ws_server.wait_closed()

@@ -1,72 +1,110 @@
-"""Token verification: Cognito ID tokens (RS256, JWKS) and development tokens (HS256).
+"""Token verification: human ID tokens, bot access tokens (Cognito, RS256) and dev tokens.
 
 The algorithm a token may use is decided by which verifier accepts it, never
 by the token: each verifier pins exactly one algorithm, so ``alg: none`` and
 HS/RS confusion are refused before any key is touched.
+
+Humans and bots live in two Cognito pools with their own issuer and keys. An
+RS256 token goes to the verifier of the pool its ``iss`` names; each verifier
+then checks the signature with its own pool's keys and its own ``token_use``
+(``id`` for humans, ``access`` for bots), so a token of one kind is never taken
+for the other even if its claims were copied.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jwt
 
+from server.jwks import JwksSource, JwksUnavailable, UnknownKey
+from server.metrics import REGISTRY
+from server.token_cache import TokenCache
+
 CLOCK_SKEW_SECONDS = 30
+
+IdentityKind = Literal["human", "bot"]
+
+token_cache_hits = REGISTRY.counter(
+    "ap_token_cache_hits_total", "Tokens accepted from the verified-token cache"
+)
 
 
 class AuthError(Exception):
     """The token was refused; the message says why, without secrets."""
 
 
+class AuthUnavailable(AuthError):
+    """The token could not be checked now (the issuer's keys are unreachable)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     user_id: str
+    kind: IdentityKind = "human"
+
+
+async def _signing_key(jwks: JwksSource, header: dict[str, Any]) -> Any:
+    kid = header.get("kid")
+    if not isinstance(kid, str):
+        raise AuthError("token has no key id")
+    try:
+        return (await jwks.key(kid)).key
+    except UnknownKey as exc:
+        raise AuthError(str(exc)) from None
+    except JwksUnavailable as exc:
+        raise AuthUnavailable(str(exc)) from None
 
 
 class CognitoVerifier:
     """Cognito ID tokens: RS256, issuer, audience = app client id, ``token_use`` = id."""
 
-    def __init__(self, issuer: str, client_id: str, jwks_file: Path | None = None) -> None:
-        self._issuer = issuer.rstrip("/")
+    def __init__(self, issuer: str, client_id: str, jwks: JwksSource) -> None:
+        self.issuer = issuer.rstrip("/")
         self._client_id = client_id
-        self._keys: dict[str, jwt.PyJWK] = {}
-        self._client: jwt.PyJWKClient | None = None
-        if jwks_file is not None:
-            self._keys = _load_jwks(json.loads(jwks_file.read_text()))
-        else:
-            self._client = jwt.PyJWKClient(f"{self._issuer}/.well-known/jwks.json", lifespan=3600)
-
-    async def _key(self, kid: str) -> jwt.PyJWK:
-        key = self._keys.get(kid)
-        if key is not None:
-            return key
-        if self._client is None:
-            raise AuthError("token signed by an unknown key")
-        try:
-            # PyJWKClient does blocking HTTP; keep it off the event loop.
-            return await asyncio.to_thread(self._client.get_signing_key, kid)
-        except jwt.PyJWKClientError as exc:
-            raise AuthError(f"no signing key: {exc}") from None
+        self._jwks = jwks
 
     async def verify(self, token: str, header: dict[str, Any]) -> Identity:
-        kid = header.get("kid")
-        if not isinstance(kid, str):
-            raise AuthError("token has no key id")
-        key = await self._key(kid)
-        claims = _decode(
-            token,
-            key.key,
-            "RS256",
-            issuer=self._issuer,
-            audience=self._client_id,
-        )
+        key = await _signing_key(self._jwks, header)
+        claims = _decode(token, key, "RS256", issuer=self.issuer, audience=self._client_id)
         if claims.get("token_use") != "id":
             raise AuthError("not an ID token")
-        return _identity(claims)
+        return _identity(claims, "human")
+
+    async def close(self) -> None:
+        await self._jwks.close()
+
+
+class BotVerifier:
+    """Bot access tokens from the bot pool (client-credentials grant).
+
+    RS256, ``exp``, ``iss`` = the bot pool, ``token_use`` = access, and the bot
+    scope among the space-separated ``scope``. The bot's id is ``sub``, which
+    Cognito sets to the app client id (``client_id``, when present, must agree).
+    """
+
+    def __init__(self, issuer: str, scope: str, jwks: JwksSource) -> None:
+        self.issuer = issuer.rstrip("/")
+        self._scope = scope
+        self._jwks = jwks
+
+    async def verify(self, token: str, header: dict[str, Any]) -> Identity:
+        key = await _signing_key(self._jwks, header)
+        claims = _decode(token, key, "RS256", issuer=self.issuer)
+        if claims.get("token_use") != "access":
+            raise AuthError("not an access token")
+        scope = claims.get("scope")
+        if not isinstance(scope, str) or self._scope not in scope.split():
+            raise AuthError(f"token lacks the bot scope {self._scope!r}")
+        identity = _identity(claims, "bot")
+        client_id = claims.get("client_id")
+        if client_id is not None and client_id != identity.user_id:
+            raise AuthError("token's client_id and sub differ")
+        return identity
+
+    async def close(self) -> None:
+        await self._jwks.close()
 
 
 class DevVerifier:
@@ -78,31 +116,73 @@ class DevVerifier:
         self._secret = secret
 
     async def verify(self, token: str, header: dict[str, Any]) -> Identity:
-        return _identity(_decode(token, self._secret, "HS256"))
+        return _identity(_decode(token, self._secret, "HS256"), "human")
 
 
 class Authenticator:
-    """Routes a token to the verifier of its algorithm, if that verifier is enabled."""
+    """Routes a token to the verifier of its algorithm and pool, if that one is enabled."""
 
-    def __init__(self, cognito: CognitoVerifier | None, dev: DevVerifier | None) -> None:
+    def __init__(
+        self,
+        cognito: CognitoVerifier | None,
+        dev: DevVerifier | None,
+        bot: BotVerifier | None = None,
+        cache_size: int = 0,
+    ) -> None:
         self._cognito = cognito
         self._dev = dev
+        self._bot = bot
+        self.cache: TokenCache[Identity] = TokenCache(cache_size)
 
     @property
     def enabled(self) -> bool:
-        return self._cognito is not None or self._dev is not None
+        return self._cognito is not None or self._dev is not None or self._bot is not None
 
     async def verify(self, token: str) -> Identity:
+        identity = self.cache.get(token)
+        if identity is not None:
+            token_cache_hits.inc()
+            return identity
+        identity = await self._verify(token)
+        if self.cache.size > 0:
+            # Verified just now, so exp is present (required) and trustworthy.
+            claims = jwt.decode(token, options={"verify_signature": False})
+            self.cache.put(token, identity, float(claims["exp"]))
+        return identity
+
+    async def _verify(self, token: str) -> Identity:
         try:
             header = jwt.get_unverified_header(token)
         except jwt.InvalidTokenError:
             raise AuthError("token is malformed") from None
         alg = header.get("alg")
-        if alg == "RS256" and self._cognito is not None:
-            return await self._cognito.verify(token, header)
+        if alg == "RS256":
+            verifier = self._rs256_verifier(token)
+            if verifier is not None:
+                return await verifier.verify(token, header)
         if alg == "HS256" and self._dev is not None:
             return await self._dev.verify(token, header)
         raise AuthError(f"token algorithm {alg!r} is not accepted")
+
+    def _rs256_verifier(self, token: str) -> CognitoVerifier | BotVerifier | None:
+        # Only picks the pool; the chosen verifier checks the issuer for real.
+        if self._bot is not None and _unverified_issuer(token) == self._bot.issuer:
+            return self._bot
+        return self._cognito if self._cognito is not None else self._bot
+
+    async def close(self) -> None:
+        for verifier in (self._cognito, self._bot):
+            if verifier is not None:
+                await verifier.close()
+
+
+def _unverified_issuer(token: str) -> str | None:
+    try:
+        claims = jwt.decode(token, options={"verify_signature": False})
+    except jwt.InvalidTokenError:
+        return None
+    issuer = claims.get("iss")
+    return issuer.rstrip("/") if isinstance(issuer, str) else None
 
 
 def _decode(
@@ -113,9 +193,12 @@ def _decode(
     issuer: str | None = None,
     audience: str | None = None,
 ) -> dict[str, Any]:
-    required = ["sub", "exp"] if issuer is not None else ["sub"]
+    # Every token expires: a development token without exp would be good forever.
+    required = ["sub", "exp"]
     if issuer is not None:
-        required += ["iss", "aud"]
+        required.append("iss")
+    if audience is not None:
+        required.append("aud")
     try:
         claims: dict[str, Any] = jwt.decode(
             token,
@@ -137,16 +220,8 @@ def _decode(
     return claims
 
 
-def _identity(claims: dict[str, Any]) -> Identity:
+def _identity(claims: dict[str, Any], kind: IdentityKind) -> Identity:
     sub = claims.get("sub")
     if not isinstance(sub, str) or not sub:
         raise AuthError("token has no subject")
-    return Identity(user_id=sub)
-
-
-def _load_jwks(document: Any) -> dict[str, jwt.PyJWK]:
-    keys: dict[str, jwt.PyJWK] = {}
-    for jwk in jwt.PyJWKSet.from_dict(document).keys:
-        if jwk.key_id is not None:
-            keys[jwk.key_id] = jwk
-    return keys
+    return Identity(user_id=sub, kind=kind)

@@ -31,6 +31,10 @@ class Settings:
     cognito_issuer: str | None = None
     cognito_client_id: str | None = None
     jwks_file: Path | None = None
+    bot_cognito_issuer: str | None = None
+    bot_scope: str | None = None
+    bot_jwks_file: Path | None = None
+    bot_max_connections: int = 4
     presence_debounce_ms: int = 1000
     outbox_limit_bytes: int = 1024 * 1024
     ping_interval: float = 20.0
@@ -51,6 +55,15 @@ class Settings:
     stream_meta_ttl: int = 24 * 3600
     chat_rate: int = 5
     log_level: str = "INFO"
+    max_connections: int = 30000
+    max_connections_per_user: int = 20
+    accept_rate: float = 2000.0
+    subscribe_timeout: float = 10.0
+    max_watched_games_per_user: int = 5000
+    flood_credits: int = 50
+    flood_window_seconds: float = 20.0
+    socket_send_buffer_bytes: int = 64 * 1024
+    token_cache_size: int = 10000
 
     @property
     def presence_debounce(self) -> float:
@@ -78,8 +91,13 @@ _HELP: dict[str, str] = {
     "cognito_issuer": "Cognito user pool issuer URL; enables RS256 ID tokens",
     "cognito_client_id": "Cognito app client id, the ID tokens' audience",
     "jwks_file": "read the pool's JWKS from this file instead of the issuer URL",
+    "bot_cognito_issuer": "Cognito bot pool issuer URL; enables bot access tokens",
+    "bot_scope": "OAuth scope every bot access token must carry (with --bot-cognito-issuer)",
+    "bot_jwks_file": "read the bot pool's JWKS from this file instead of the issuer URL",
+    "bot_max_connections": "most connections one bot may hold on one node",
     "presence_debounce_ms": "window over which presence joins and leaves coalesce",
-    "outbox_limit_bytes": "bytes a client may have unsent before it is closed as slow",
+    "outbox_limit_bytes": "bytes a client may have unsent (user space plus the kernel's send "
+    "queue, pongs included) before it is closed as slow (4008)",
     "ping_interval": "seconds between keepalive pings",
     "ping_timeout": "seconds to wait for a pong before dropping the peer",
     "close_timeout": "seconds to wait for a closing handshake before dropping the socket",
@@ -101,6 +119,24 @@ _HELP: dict[str, str] = {
     "stream_meta_ttl": "seconds a stream's epoch and top offset are kept after its last event",
     "chat_rate": "most chat comments one user may post per 10 s (cluster-wide when clustered)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "max_connections": "open sockets this node accepts; over it upgrades get HTTP 503 "
+    "(3x the 10,000 a node is sized for, ~20 KiB each; 0 = no cap)",
+    "max_connections_per_user": "sockets one user may hold on this node; the next is closed "
+    "with 4509 (a browser opens one per tab; 20 tabs is generous)",
+    "accept_rate": "new connections per second (token bucket, one second of burst); over it "
+    "upgrades get HTTP 503 with Retry-After (above the ~1,200/s one core completes; 0 = off)",
+    "subscribe_timeout": "seconds a socket may stay open without subscribing before 4408 "
+    "(a browser subscribes within a second of connecting)",
+    "max_watched_games_per_user": "games one user may watch across all sockets on this node "
+    "(~1 KiB each; 20 tabs x 250 games)",
+    "flood_credits": "credits a socket may spend per --flood-window-seconds, also its burst; "
+    "a frame (data, ping, pong) costs 1, plus 1 per full 4 KiB; over it: error rate_limited, "
+    "then close 1008 (a browser sends a few frames a minute)",
+    "flood_window_seconds": "window over which --flood-credits refill",
+    "socket_send_buffer_bytes": "SO_SNDBUF of each client socket: bounds the kernel's part of "
+    "the outbox instead of letting it autotune to 4 MiB (0 = kernel default)",
+    "token_cache_size": "verified tokens remembered (LRU, by hash, never past exp) so a "
+    "reconnect storm verifies each token once (0 = off)",
 }
 
 
@@ -110,20 +146,24 @@ def _flag(name: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per setting; defaults stay None so the environment can fill them."""
+    defaults = Settings()
     for spec in fields(Settings):
         kind = _field_type(spec.name)
+        default = getattr(defaults, spec.name)
+        shown = "" if default in (None, "") else f"default {default}; "
         parser.add_argument(
             _flag(spec.name),
             dest=spec.name,
             type=kind,
             default=None,
-            help=f"{_HELP[spec.name]} (env AP_{spec.name.upper()})",
+            # argparse formats help with %: a literal one must be doubled
+            help=f"{_HELP[spec.name]} ({shown}env AP_{spec.name.upper()})".replace("%", "%%"),
         )
 
 
 def _field_type(name: str) -> type[Any]:
     default = getattr(Settings(), name)
-    if name == "jwks_file":
+    if name.endswith("jwks_file"):
         return Path
     if isinstance(default, bool | str) or default is None:
         return str
@@ -173,12 +213,36 @@ def _validate(settings: Settings) -> None:
         )
     if (settings.cognito_issuer is None) != (settings.cognito_client_id is None):
         raise SystemExit("--cognito-issuer and --cognito-client-id go together")
+    if (settings.bot_cognito_issuer is None) != (settings.bot_scope is None):
+        raise SystemExit("--bot-cognito-issuer and --bot-scope go together")
+    bot_pool, human_pool = settings.bot_cognito_issuer, settings.cognito_issuer
+    if bot_pool and human_pool and bot_pool.rstrip("/") == human_pool.rstrip("/"):
+        raise SystemExit("--bot-cognito-issuer must be the bot pool, not the human pool")
+    if settings.bot_max_connections < 1:
+        raise SystemExit("--bot-max-connections must be at least 1")
     if settings.history_size < 1:
         raise SystemExit("--history-size must be at least 1")
     if settings.history_ttl < 1 or settings.stream_meta_ttl < settings.history_ttl:
         raise SystemExit("--history-ttl must be at least 1 and at most --stream-meta-ttl")
     if settings.presence_debounce_ms < 0:
         raise SystemExit("--presence-debounce-ms must not be negative")
+    for name in (
+        "max_connections",
+        "accept_rate",
+        "subscribe_timeout",
+        "socket_send_buffer_bytes",
+        "token_cache_size",
+    ):
+        if getattr(settings, name) < 0:
+            raise SystemExit(f"{_flag(name)} must not be negative")
+    for name in (
+        "max_connections_per_user",
+        "max_watched_games_per_user",
+        "flood_credits",
+        "flood_window_seconds",
+    ):
+        if getattr(settings, name) <= 0:
+            raise SystemExit(f"{_flag(name)} must be positive")
     if settings.chat_rate < 1:
         raise SystemExit("--chat-rate must be at least 1")
 

@@ -1,26 +1,34 @@
 """One socket's session: identity, watch set, and its bounded outbox.
 
-The outbox is the transport's own write buffer: a frame is written at once,
-and a session whose buffer is over the limit is a slow consumer and is
-closed. No per-client queue or task sits between an event and the socket.
-Every write to a client goes through :func:`send_frame`, synchronously, so
-frames reach a socket in the order the node sends them.
+The outbox is the transport's own write buffer plus what the kernel holds
+for the socket: a frame is written at once, and a session whose unsent bytes
+are over the limit is a slow consumer and is closed. No per-client queue or
+task sits between an event and the socket. Every write to a client goes
+through :func:`send_frame`, synchronously, so frames reach a socket in the
+order the node sends them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import itertools
 import logging
+import socket
+import struct
+import termios
 import uuid
 from collections.abc import Iterable
 
 from websockets.asyncio.server import ServerConnection
+from websockets.frames import Frame as WsFrame
 from websockets.protocol import State
 
 from protocol.codec import Frame
 from protocol.errors import MSGPACK_SUBPROTOCOL, CloseCode, ErrorCode
 from protocol.messages import Broadcast, ErrorMessage, GameKey
+from server.limits import TokenBucket
 from server.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -40,10 +48,16 @@ class Session:
         "binary",
         "close_task",
         "connection_id",
+        "credits",
+        "deadline",
         "invisible",
+        "kernel_capacity",
+        "kind",
         "positions",
         "recovering",
         "row_ttl",
+        "sync_at",
+        "sync_pending",
         "user_id",
         "wants_presence",
         "watch_version",
@@ -51,7 +65,7 @@ class Session:
         "ws",
     )
 
-    def __init__(self, ws: ServerConnection) -> None:
+    def __init__(self, ws: ServerConnection, credits: TokenBucket | None = None) -> None:
         if ws.protocol.extensions:
             # send_frame writes pre-framed bytes, valid only without extensions.
             raise ValueError("sessions do not support WebSocket extensions")
@@ -59,12 +73,18 @@ class Session:
         self.connection_id = f"{uuid.uuid4().hex[:20]}{next(_ids):x}"
         self.binary = ws.subprotocol == MSGPACK_SUBPROTOCOL
         self.user_id: str | None = None
+        self.kind = "human"  # or "bot": bots are not counted in presence
         self.invisible = False
         self.wants_presence = True
         self.watch_version: int | None = None
         self.watching: frozenset[GameKey] = frozenset()
         self.row_ttl = 0
         self.close_task: asyncio.Task[None] | None = None
+        self.credits = credits  # frames this socket may still send (flood control)
+        self.deadline: asyncio.TimerHandle | None = None  # closes it if it never subscribes
+        self.sync_at = -1e9  # loop time of the last syncPresence answer
+        self.sync_pending = False  # an answer is scheduled for the end of that second
+        self.kernel_capacity = kernel_send_capacity(ws)
         # Stream speakers only (they sent ``since``): stream -> last (epoch, offset)
         # sent, so that replay and live never duplicate. None: a plain client.
         self.positions: dict[str, tuple[str, int]] | None = None
@@ -74,6 +94,10 @@ class Session:
     @property
     def subscribed(self) -> bool:
         return self.user_id is not None
+
+    @property
+    def is_bot(self) -> bool:
+        return self.kind == "bot"
 
     @property
     def speaks_streams(self) -> bool:
@@ -100,7 +124,37 @@ class Session:
     def close(self, code: CloseCode, reason: str) -> None:
         """Start the closing handshake without waiting for it."""
         if self.close_task is None:
-            self.close_task = asyncio.create_task(self.ws.close(code, reason))
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+            self.close_task = asyncio.create_task(self._close(code, reason))
+
+    async def _close(self, code: CloseCode, reason: str) -> None:
+        # ws.close() first waits for the write buffer to drain, which a client
+        # that does not read never lets happen: bound the whole handshake.
+        # The close frame is queued behind the unsent data, so a client that
+        # reads again within --close-timeout still sees the code.
+        ws = self.ws
+        try:
+            async with asyncio.timeout(ws.close_timeout):
+                await ws.close(code, reason)
+        except TimeoutError:
+            ws.transport.abort()
+
+    def unsent_bytes(self, outbox_limit: int) -> int:
+        """Bytes written but not yet sent: user space, and the kernel's part when it matters.
+
+        The kernel's share is read (``SIOCOUTQ``) only when it could tip the
+        sum over ``outbox_limit``, so the common path costs no system call.
+        """
+        transport = self.ws.transport
+        queued = transport.get_write_buffer_size()
+        if queued + self.kernel_capacity <= outbox_limit:
+            return queued
+        return queued + kernel_unsent(transport, self.kernel_capacity)
+
+    def over_limit(self, outbox_limit: int) -> bool:
+        return self.unsent_bytes(outbox_limit) > outbox_limit
 
     def __repr__(self) -> str:
         return f"<Session {self.connection_id} user={self.user_id}>"
@@ -120,12 +174,141 @@ def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> 
         if ws.protocol.state is not State.OPEN or session.close_task is not None:
             continue
         transport = ws.transport
-        if transport.get_write_buffer_size() > outbox_limit:
-            slow_consumers.inc()
-            log.info("closing slow consumer %s", session)
-            session.close(CloseCode.SLOW_CONSUMER, "slow consumer")
+        if (
+            transport.get_write_buffer_size() + session.kernel_capacity > outbox_limit
+            and session.over_limit(outbox_limit)
+        ):
+            close_slow_consumer(session)
             continue
         transport.write(frame.binary_wire if session.binary else frame.text_wire)
         sent += 1
     frames_sent.inc(sent)
     return sent
+
+
+def close_slow_consumer(session: Session) -> None:
+    if session.close_task is None:
+        slow_consumers.inc()
+        log.info("closing slow consumer %s", session)
+        session.close(CloseCode.SLOW_CONSUMER, "slow consumer")
+
+
+# --- the kernel's part of the outbox -------------------------------------------
+
+_SIOCOUTQ = getattr(termios, "TIOCOUTQ", None)  # the same request as SIOCOUTQ on Linux
+
+
+def kernel_send_capacity(ws: ServerConnection) -> int:
+    """Most bytes the kernel may hold for this socket (SO_SNDBUF as the kernel reports it)."""
+    sock = ws.transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        capacity: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    except OSError:
+        return 0
+    return capacity
+
+
+def kernel_unsent(transport: asyncio.BaseTransport, capacity: int) -> int:
+    """Bytes in the kernel's send queue; ``capacity`` where that cannot be read."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or _SIOCOUTQ is None:
+        return capacity
+    try:
+        raw = fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return capacity
+    unsent: int = struct.unpack("i", raw)[0]
+    return unsent
+
+
+# --- the socket: bounds that apply before any frame reaches the handler --------
+
+flooders = REGISTRY.counter(
+    "ap_flood_closes_total", "Connections closed for sending frames faster than their credits"
+)
+
+
+FRAME_CREDIT_BYTES = 4096
+"""A frame costs one flood credit, plus one per full 4 KiB it carries: handling
+a 50 KB watchGames costs what a dozen small frames do."""
+
+
+def _stay_paused() -> None:
+    pass
+
+
+class GuardedConnection(ServerConnection):
+    """A server connection whose every incoming frame spends flood credits, and
+    whose automatic replies (pongs) count against the outbox like any frame.
+
+    The library answers each ping with a pong written straight to the socket;
+    a client that pings and never reads would otherwise grow that buffer
+    without bound, outside any check the node makes.
+    """
+
+    session: Session | None = None
+    outbox_limit = 1024 * 1024
+    send_buffer_bytes = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and self.send_buffer_bytes > 0:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        # A connection that ends without a closing handshake leaves the parser's
+        # EOFError, whose traceback holds the parser's frame, which holds the
+        # protocol: a cycle the raised collector thresholds keep for a long
+        # time. The traceback is of no use once the socket is gone.
+        parser_exc = self.protocol.parser_exc
+        if parser_exc is not None:
+            parser_exc.__traceback__ = None
+            parser_exc.__context__ = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        session = self.session
+        if session is None or self.protocol.state is not State.OPEN:
+            if session is not None and session.over_limit(2 * self.outbox_limit):
+                # Closing already, and still growing: stop waiting for the handshake.
+                self.transport.abort()
+            return
+        if session.over_limit(self.outbox_limit):
+            close_slow_consumer(session)
+
+    def process_event(self, event: object) -> None:
+        session = self.session
+        if (
+            session is not None
+            and session.credits is not None
+            and isinstance(event, WsFrame)
+            and self.protocol.state is State.OPEN
+            and not session.credits.take(
+                self.loop.time(), 1 + len(event.data) // FRAME_CREDIT_BYTES
+            )
+        ):
+            self._flooded(session)
+        super().process_event(event)  # type: ignore[arg-type]
+
+    def _flooded(self, session: Session) -> None:
+        if session.close_task is not None:
+            return
+        flooders.inc()
+        log.info("closing flooder %s", session)
+        session.send_error(ErrorCode.RATE_LIMITED, "too many frames: slow down", self.outbox_limit)
+        # Nothing more it sends is worth reading: what it already sent may be
+        # megabytes, and its close reply would sit behind them. So: the close
+        # frame and our end of the stream go out now, reading stops for good
+        # (the message queue would otherwise resume it as the handler drains),
+        # and the socket is dropped after --close-timeout at the latest.
+        self.protocol.send_close(CloseCode.POLICY_VIOLATION, "rate limited")
+        self.protocol.send_eof()
+        self.send_data()
+        self.recv_messages.resume = _stay_paused
+        self.transport.pause_reading()
+        session.close(CloseCode.POLICY_VIOLATION, "rate limited")

@@ -67,7 +67,7 @@ from protocol.streams import (
     stream_user,
     user_stream,
 )
-from server.auth import Authenticator, AuthError
+from server.auth import Authenticator, AuthError, AuthUnavailable
 from server.batching import CoalescingFlusher
 from server.bus.base import Bus
 from server.bus.streams import Append, Streams
@@ -90,6 +90,7 @@ from server.presence import (
     presence_resyncs,
 )
 from server.registry import ConnectionRegistry
+from server.services.bots import BotService
 from server.services.chat import RATE_WINDOW_SECONDS, ChatService
 from server.services.chat_marks import ChatMarks
 from server.services.claims import Claims, MemoryClaims
@@ -102,6 +103,8 @@ log = logging.getLogger(__name__)
 
 RELOAD_ATTEMPTS = 20
 """Tries to reload presence after a bus reconnect (about 15 s of backoff in all)."""
+SYNC_PRESENCE_INTERVAL = 1.0
+"""Seconds between two snapshots answering one connection's syncPresence."""
 
 events_published = REGISTRY.counter("ap_events_published_total", "Events accepted for fan-out")
 events_received = REGISTRY.counter("ap_bus_messages_total", "Envelopes received from the bus")
@@ -170,6 +173,7 @@ class Node:
         self.presence_backend = presence_backend
         self.authenticator = authenticator
         self.registry = ConnectionRegistry(store)
+        self.bots = BotService(store, settings.bot_max_connections, settings.outbox_limit_bytes)
         self.local_presence = LocalPresence()
         self.view = PresenceView()
         self.writer = PresenceWriter(presence_backend, store, settings.presence_debounce)
@@ -178,6 +182,7 @@ class Node:
         self.by_game: dict[GameKey, set[Session]] = {}
         self.legacy: set[Session] = set()
         self.presence_watchers: set[Session] = set()
+        self.games_by_user: dict[str, int] = {}  # watched keys over a user's sessions
         # Stream speakers among a stream's recipients on this node: the rest share
         # one frame per event on the fast path.
         self.speakers: dict[str, set[Session]] = {}
@@ -280,6 +285,7 @@ class Node:
         await self.bus.close()
         await self.streams.close()
         await self.presence_backend.close()
+        await self.authenticator.close()
         await self.store.close()
 
     # --- sessions -----------------------------------------------------------
@@ -294,16 +300,27 @@ class Node:
         user_id = session.user_id
         assert user_id is not None
         self._unindex(session)
-        self.local_presence.remove(user_id, session.invisible)
-        self._queue_reports()
+        if not session.is_bot:
+            self.local_presence.remove(user_id, session.invisible)
+            self._queue_reports()
         self.registry.delete(session.connection_id)
 
     async def subscribe(self, session: Session, action: Subscribe) -> None:
         try:
             identity = await self.authenticator.verify(action.token)
+        except AuthUnavailable as exc:
+            # Not the client's fault: a clear reason, and a code that says "retry".
+            session.send_error(ErrorCode.UNAVAILABLE, str(exc), self._outbox_limit)
+            session.close(CloseCode.TRY_AGAIN_LATER, "token cannot be checked now")
+            return
         except AuthError as exc:
             session.send_error(ErrorCode.UNAUTHORIZED, str(exc), self._outbox_limit)
             session.close(CloseCode.POLICY_VIOLATION, "invalid token")
+            return
+        bot = identity.kind == "bot"
+        if bot and not await self.bots.admit(
+            session, identity.user_id, lambda: self.by_user.get(identity.user_id, ())
+        ):
             return
         if session not in self.sessions:
             return  # closed while the token was checked
@@ -318,19 +335,31 @@ class Node:
                 return
             kept = _kept_state(session, None)
             self._unindex(session)
-            self.local_presence.remove(identity.user_id, session.invisible)
+            if not session.is_bot:
+                self.local_presence.remove(identity.user_id, session.invisible)
+        elif not self._admit_user(session, identity.user_id):
+            return
+        games = action.games if action.games is not None else frozenset()
+        if not self._games_allowed(session, identity.user_id, games):
+            games = frozenset()
         session.user_id = identity.user_id
+        session.kind = identity.kind
         session.invisible = action.invisible
-        session.wants_presence = action.wants_presence
+        # Bots get no presence unless they ask, and never fall back to legacy routing.
+        wants = action.wants_presence
+        session.wants_presence = wants if wants is not None else not bot
         session.watch_version = action.watch_version
-        session.watching = action.games if action.games is not None else frozenset()
+        if bot and session.watch_version is None:
+            session.watch_version = 1
+        session.watching = games
         session.row_ttl = ttl_from_now()
         if action.since is not None and session.positions is None:
             session.positions = {}
         self._index(session)
         _restore_state(session, kept)
-        self.local_presence.add(identity.user_id, session.invisible)
-        self._queue_reports()
+        if not bot:
+            self.local_presence.add(identity.user_id, session.invisible)
+            self._queue_reports()
         self.registry.put(self._record(session))
         self.last_seen.seen(identity.user_id)
         if session.wants_presence:
@@ -339,10 +368,45 @@ class Node:
             session.send(self.view.snapshot_frame(), self._outbox_limit)
         if action.since is not None:
             await self.recover(session, action.since)
+        if bot:
+            # After recovery: a recovered:false is followed by a fresh list.
+            await self.bots.send_pending_turns(self, session)
+
+    def _admit_user(self, session: Session, user_id: str) -> bool:
+        """At most --max-connections-per-user sockets per user: each pins memory."""
+        cap = self.settings.max_connections_per_user
+        if len(self.by_user.get(user_id, ())) < cap:
+            return True
+        session.send_error(
+            ErrorCode.TOO_MANY_CONNECTIONS,
+            f"this user already has {cap} connections open",
+            self._outbox_limit,
+        )
+        session.close(CloseCode.TOO_MANY_CONNECTIONS, "too many connections")
+        return False
+
+    def _games_allowed(
+        self, session: Session, user_id: str, games: frozenset[GameKey], replacing: int = 0
+    ) -> bool:
+        """At most --max-watched-games-per-user keys over all of a user's sockets
+        (``replacing``: keys of this session's that ``games`` replaces)."""
+        cap = self.settings.max_watched_games_per_user
+        held = self.games_by_user.get(user_id, 0) - replacing
+        if held + len(games) <= cap:
+            return True
+        session.send_error(
+            ErrorCode.TOO_MANY_GAMES,
+            f"this user may watch at most {cap} games over all connections",
+            self._outbox_limit,
+        )
+        return False
 
     async def watch(
         self, session: Session, games: frozenset[GameKey], since: Since | None = None
     ) -> None:
+        assert session.user_id is not None
+        if not self._games_allowed(session, session.user_id, games, len(session.watching)):
+            return
         kept = _kept_state(session, {game_stream(key) for key in games & session.watching})
         self._unindex_games(session)
         if since is not None and session.positions is None:
@@ -383,9 +447,26 @@ class Node:
         self.writer.reconcile()
 
     def sync_presence(self, session: Session) -> None:
-        session.send(self.view.snapshot_frame(), self._outbox_limit)
-        if session.user_id is not None:
-            self.last_seen.seen(session.user_id)
+        """A snapshot now, or one at the end of the second that the last one opened:
+        each costs the whole visible list, so a client asking in a loop gets at
+        most one per second, and asks made meanwhile share it."""
+        if session.sync_pending:
+            return
+        loop = asyncio.get_running_loop()
+        wait = session.sync_at + SYNC_PRESENCE_INTERVAL - loop.time()
+        if wait <= 0:
+            self._send_sync(session)
+        else:
+            session.sync_pending = True
+            loop.call_later(wait, self._send_sync, session)
+
+    def _send_sync(self, session: Session) -> None:
+        session.sync_pending = False
+        session.sync_at = asyncio.get_running_loop().time()
+        if session in self.sessions:
+            session.send(self.view.snapshot_frame(), self._outbox_limit)
+            if session.user_id is not None:
+                self.last_seen.seen(session.user_id)
 
     def _index(self, session: Session) -> None:
         assert session.user_id is not None
@@ -433,6 +514,10 @@ class Node:
         self.cursors.pop(stream, None)
 
     def _index_games(self, session: Session) -> None:
+        if session.watching:
+            assert session.user_id is not None
+            user_id = session.user_id
+            self.games_by_user[user_id] = self.games_by_user.get(user_id, 0) + len(session.watching)
         if session.legacy:
             if not self.legacy:
                 self._topics.put(ALL_GAMES, True)
@@ -449,6 +534,12 @@ class Node:
                 self._add_speaker(game_stream(key), session)
 
     def _unindex_games(self, session: Session) -> None:
+        if session.watching and session.user_id is not None:
+            left = self.games_by_user.get(session.user_id, 0) - len(session.watching)
+            if left > 0:
+                self.games_by_user[session.user_id] = left
+            else:
+                self.games_by_user.pop(session.user_id, None)
         if session in self.legacy:
             self.legacy.discard(session)
             if not self.legacy:
@@ -750,6 +841,9 @@ class Node:
             assert session.positions is not None
             session.positions[stream] = (epoch, top)
             session.send(frame, self._outbox_limit)
+            if session.is_bot and stream_user(stream) is not None:
+                # Turns may be among what was lost: the bot gets its list afresh.
+                self._spawn(self.bots.send_pending_turns(self, session), "pendingTurns")
 
     def check_streams(self) -> None:
         """The bus reconnected: events of any held stream may have been lost

@@ -48,6 +48,7 @@ class Client:
         self.presence = Presence()
         self.messages: list[dict[str, Any]] = []
         self._changed = asyncio.Condition()
+        self._roundtrips = 0
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
@@ -135,6 +136,17 @@ class Client:
         snapshots = self.presence.snapshots
         await self.send({"action": "syncPresence"})
         await self.wait_for(lambda: self.presence.snapshots > snapshots)
+
+    async def roundtrip(self) -> None:
+        """Like :meth:`barrier`, without asking for a snapshot (those are coalesced,
+        so after other syncPresence asks, a snapshot may answer an earlier one):
+        an unknown action is answered with an error frame naming it, in order."""
+        self._roundtrips += 1
+        marker = f"roundtrip-{self._roundtrips}"
+        await self.send({"action": marker})
+        await self.next_message(
+            lambda m: m.get("verb") == "error" and marker in m["payload"]["message"]
+        )
 
     async def _read(self) -> None:
         try:

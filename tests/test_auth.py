@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
 from server.auth import Authenticator, AuthError, CognitoVerifier, DevVerifier
+from server.jwks import FileJwks
 from tests.client import DEV_SECRET, dev_token
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
 
@@ -57,7 +58,7 @@ def cognito_token(key: rsa.RSAPrivateKey, **overrides: Any) -> str:
 @pytest.fixture
 def authenticator(jwks_file: Path) -> Authenticator:
     return Authenticator(
-        cognito=CognitoVerifier(ISSUER, CLIENT_ID, jwks_file), dev=DevVerifier(DEV_SECRET)
+        cognito=CognitoVerifier(ISSUER, CLIENT_ID, FileJwks(jwks_file)), dev=DevVerifier(DEV_SECRET)
     )
 
 

@@ -54,6 +54,19 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
         (["--redis-url", "redis://127.0.0.1:1"], {}, "shared store"),
         (["--cognito-issuer", "https://x"], {}, "go together"),
         (["--presence-debounce-ms", "-1"], {}, "negative"),
+        (["--bot-cognito-issuer", "https://bots"], {}, "go together"),
+        (["--bot-scope", "s/communicate"], {}, "go together"),
+        (["--bot-max-connections", "0"], {}, "at least 1"),
+        (
+            [
+                "--bot-cognito-issuer=https://pool/",
+                "--bot-scope=s",
+                "--cognito-issuer=https://pool",
+                "--cognito-client-id=c",
+            ],
+            {},
+            "not the human pool",
+        ),
         (["--history-size", "0"], {}, "history-size"),
         (["--history-ttl", "0"], {}, "history-ttl"),
         (["--history-ttl", "100", "--stream-meta-ttl", "50"], {}, "stream-meta-ttl"),
@@ -64,6 +77,29 @@ def test_bad_settings_are_refused_clearly(
 ) -> None:
     with pytest.raises(SystemExit, match=message):
         parse(argv, environ)
+
+
+def test_bot_settings_from_flags_and_environment() -> None:
+    settings = parse(
+        ["--bot-cognito-issuer", "https://bots", "--bot-jwks-file", "/tmp/bots.json"],
+        {"AP_BOT_SCOPE": "res/communicate", "AP_BOT_MAX_CONNECTIONS": "2"},
+    )
+    assert settings.bot_cognito_issuer == "https://bots" and settings.bot_scope == "res/communicate"
+    assert str(settings.bot_jwks_file) == "/tmp/bots.json" and settings.bot_max_connections == 2
+    assert parse([], {}).bot_max_connections == 4
+
+
+def test_every_setting_has_help_and_a_row_in_the_operations_guide() -> None:
+    from dataclasses import fields
+    from pathlib import Path
+
+    from server.config import _HELP, Settings
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    for spec in fields(Settings):
+        flag = "--" + spec.name.replace("_", "-")
+        assert _HELP.get(spec.name), spec.name
+        assert f"`{flag}`" in guide, flag
 
 
 def test_stream_limits_come_from_the_settings() -> None:

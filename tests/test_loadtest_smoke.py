@@ -49,6 +49,24 @@ SCENARIOS: dict[str, list[str]] = {
     "storm": ["-n", "20"],
     "presence": ["-n", "20", *PRESENCE],
     "cluster": [*FANOUT, *PRESENCE, "--no-baseline", "--failover-seconds", "4"],
+    "bots": [
+        "-n",
+        "20",
+        "--games-per-conn",
+        "3",
+        "--duration",
+        "1",
+        "--warmup-seconds",
+        "0",
+        "--rate",
+        "50",
+    ],
+    "abuse": [
+        *["-n", "20", "--games", "4", "--games-per-conn", "2", "--duration", "1"],
+        *["--attackers", "0.2", "--server-arg=--subscribe-timeout=1"],
+        "--server-arg=--outbox-limit-bytes=65536",
+    ],
+    "churn": ["-n", "20", "--rounds", "2"],
     # both run a node on the in-process bus, then one on Redis (+ moto)
     "publish": [*FANOUT, "--games", "20", "--games-per-conn", "1"],
     "recovery": ["-n", "20", "--games", "10", "--games-per-conn", "5", "--away-events", "3"],
@@ -226,6 +244,40 @@ def test_cluster(outcomes: dict[str, Outcome]) -> None:
     failover = outcome["figures"]["failover"]
     assert failover["accepted"] > 0 and failover["probes"] == 2
     assert failover["resumed_after_s"] > 0  # delivery did resume after the kill
+
+
+def test_bots(outcomes: dict[str, Outcome]) -> None:
+    figs = _figures(outcomes, "bots")["bots"]
+    assert figs["bots"] == 20 and figs["games_per_bot"] == 3
+    assert figs["accepted"] > 0 and figs["publish_failures"] == 0
+    assert figs["missed"] == 0, figs
+    # every subscribe, before and after the restart, got exactly the one pending game
+    assert figs["pending_turns_frames"] >= 40 and figs["pending_turns_wrong"] == 0
+    assert figs["restart"]["recovered_true"] > 0
+    assert _finite(figs["steady"]["latency"]["p99_ms"])
+
+
+def test_abuse(outcomes: dict[str, Outcome]) -> None:
+    ours = _figures(outcomes, "abuse")["ours"]
+    assert ours["normal_clients"] == 20
+    assert ours["lost"] == 0
+    attacks = {a["attack"]: a for a in ours["attacks"]}
+    assert set(attacks) >= {"junk_flood", "ping_flood", "slow_readers", "tabs", "parked"}
+    for attack in attacks.values():
+        assert attack["publishes"] > 0
+        assert _finite(attack["latency"]["p99_ms"])
+        assert attack["wrong"] == 0, attack
+    assert attacks["junk_flood"]["outcomes"] == {"close 1008": attacks["junk_flood"]["attackers"]}
+    assert attacks["parked"]["outcomes"] == {"close 4408": attacks["parked"]["attackers"]}
+    assert attacks["tabs"]["outcomes"]["close 4509"] >= 1
+    assert ours["rss_peak_bytes"] >= ours["rss_start_bytes"] > 0
+
+
+def test_churn(outcomes: dict[str, Outcome]) -> None:
+    ours = _figures(outcomes, "churn")["ours"]
+    assert ours["rounds"] == 2
+    assert len(ours["rss_per_round_mib"]) == 2
+    assert _finite(ours["rss_growth_after_mib"])
 
 
 def test_streammem(outcomes: dict[str, Outcome]) -> None:

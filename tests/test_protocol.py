@@ -57,7 +57,7 @@ def test_subscribe_as_the_browser_sends_it() -> None:
     assert action == Subscribe(
         token="t",
         invisible=True,
-        wants_presence=True,
+        wants_presence=None,
         watch_version=1,
         games=frozenset({"chess#g1", "go#g2"}),
     )
@@ -67,7 +67,9 @@ def test_subscribe_defaults_for_a_legacy_client() -> None:
     action = parse_client_frame('{"action":"subscribe","token":"t"}')
     assert action == Subscribe(token="t")
     assert isinstance(action, Subscribe)
-    assert action.games is None and action.watch_version is None and action.wants_presence
+    assert action.games is None and action.watch_version is None
+    # Not given: the node decides (humans get presence, bots do not).
+    assert action.wants_presence is None
 
 
 def test_unknown_extra_fields_are_ignored() -> None:

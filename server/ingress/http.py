@@ -27,6 +27,20 @@ def _json(status: int, body: dict[str, object]) -> web.Response:
     return web.json_response(body, status=status)
 
 
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, or its first ``limit`` bytes: ``content.read(n)`` returns
+    only what has arrived so far, so a body split across TCP writes needs a loop."""
+    parts: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = await request.content.read(limit - size)
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(parts)
+
+
 def build_app(node: Node) -> web.Application:
     secret = node.settings.publish_secret
 
@@ -38,7 +52,7 @@ def build_app(node: Node) -> web.Application:
             return _json(401, {"error": "missing or wrong bearer secret"})
         if request.content_length is not None and request.content_length > MAX_PUBLISH_BYTES:
             return _json(413, {"error": f"body over {MAX_PUBLISH_BYTES} bytes"})
-        body = await request.content.read(MAX_PUBLISH_BYTES + 1)
+        body = await read_body(request, MAX_PUBLISH_BYTES + 1)
         if len(body) > MAX_PUBLISH_BYTES:
             return _json(413, {"error": f"body over {MAX_PUBLISH_BYTES} bytes"})
         try:

@@ -32,6 +32,30 @@ class ConnectionRecord:
     ttl: int
 
 
+@dataclass(frozen=True, slots=True)
+class BotRecord:
+    """One ``pk=BOT`` row (written by the backend's ``create_bot``; read-only here)."""
+
+    client_id: str
+    name: str
+    owner: str
+
+
+ToMove = str | tuple[bool, ...] | None
+"""A game's ``toMove``: a player index as a string, one flag per player for
+simultaneous games, or None when the row has neither."""
+
+
+@dataclass(frozen=True, slots=True)
+class CurrentGame:
+    """The fields of one ``pk=CURRENTGAMES#<userId>`` row that routing needs."""
+
+    game_id: str
+    meta: str
+    player_ids: tuple[str, ...]
+    to_move: ToMove
+
+
 def ttl_from_now(now: float | None = None) -> int:
     """The ``ttl`` value, epoch seconds, for a row written now."""
     return int(now if now is not None else time.time()) + CONNECTION_TTL_SECONDS
@@ -43,7 +67,7 @@ class StoreUnavailable(Exception):
 
 class Store(Protocol):
     """Persistence for connection rows, the ``wsMeta`` presence counter, and the game-side
-    records the services read and write (chat, dashboard marks, lastSeen)."""
+    records the services read and write (bots, chat, dashboard marks, lastSeen)."""
 
     async def start(self) -> None:
         """Connect and check the table is reachable; raise StoreUnavailable if not."""
@@ -120,3 +144,10 @@ class Store(Protocol):
     async def touch_last_seen(self, user_id: str, now_ms: int) -> bool:
         """Set ``USERS/<userId>.lastSeen = now`` if it is missing or older than 15
         minutes and the row exists; True when written."""
+
+    async def get_bot(self, client_id: str) -> BotRecord | None:
+        """The ``BOT`` row of this app client id, or None when there is none."""
+
+    async def current_games(self, user_id: str) -> list[CurrentGame]:
+        """Every ``CURRENTGAMES#<userId>`` row (all pages); rows without a game id
+        or metaGame are skipped."""

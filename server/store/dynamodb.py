@@ -25,7 +25,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from server.metrics import REGISTRY
 from server.store import keys
-from server.store.base import ConnectionRecord, StoreUnavailable
+from server.store.base import BotRecord, ConnectionRecord, CurrentGame, StoreUnavailable
 from server.store.dynamodb_records import GameRecordsMixin
 
 log = logging.getLogger(__name__)
@@ -498,6 +498,55 @@ class DynamoStore(GameRecordsMixin):
             ExpressionAttributeNames={"#seq": keys.SEQ},
         )
         return keys.parse_int(response.get("Item", {}).get(keys.SEQ)) or 0
+
+    # ------------------------------------------------- the backend's rows (read only)
+
+    async def get_bot(self, client_id: str) -> BotRecord | None:
+        # Eventually consistent: BOT rows change only when an owner edits a bot.
+        response = await self._call(
+            "get_item",
+            TableName=self.table,
+            Key=keys.bot_key(client_id),
+            ProjectionExpression="#sk, #name, #owner",
+            ExpressionAttributeNames={
+                "#sk": keys.SK,
+                "#name": keys.BOT_NAME,
+                "#owner": keys.BOT_OWNER,
+            },
+        )
+        item = response.get("Item")
+        return keys.bot_from_item(item) if item else None
+
+    async def current_games(self, user_id: str) -> list[CurrentGame]:
+        params: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "#pk = :pk",
+            # Only what routing needs: a game's summary row also carries clocks,
+            # variants and player names.
+            "ProjectionExpression": "#sk, #id, #meta, #players, #toMove",
+            "ExpressionAttributeNames": {
+                "#pk": keys.PK,
+                "#sk": keys.SK,
+                "#id": keys.GAME_ID,
+                "#meta": keys.META_GAME,
+                "#players": keys.PLAYERS,
+                "#toMove": keys.TO_MOVE,
+            },
+            "ExpressionAttributeValues": {":pk": {"S": keys.current_games_pk(user_id)}},
+        }
+        games: list[CurrentGame] = []
+        while True:
+            response = await self._call("query", **params)
+            for item in response.get("Items", []):
+                game = keys.current_game_from_item(item)
+                if game is None:
+                    log.warning("skipping malformed CURRENTGAMES# row in %r: %r", self.table, item)
+                else:
+                    games.append(game)
+            last_key = response.get("LastEvaluatedKey")
+            if not last_key:
+                return games
+            params["ExclusiveStartKey"] = last_key
 
 
 def _check_description(description: dict[str, Any], table: str, where: str) -> None:

@@ -1,4 +1,7 @@
-"""Keys and attribute names of the ``wsConnections`` and ``wsMeta`` rows.
+"""Keys and attribute names of the rows the server reads and writes.
+
+``wsConnections`` and ``wsMeta`` are its own; ``BOT`` and ``CURRENTGAMES#`` are
+the backend's, read only.
 
 The rows live in Abstract Play's single table, next to every other record, so
 their shape is fixed by what is deployed today (``docs/access-patterns.md``).
@@ -11,7 +14,7 @@ from __future__ import annotations
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from server.store.base import ConnectionRecord
+from server.store.base import BotRecord, ConnectionRecord, CurrentGame, ToMove
 
 AttributeValue = dict[str, Any]
 """One typed attribute value, e.g. ``{"S": "abc"}``."""
@@ -40,6 +43,19 @@ TTL = "ttl"
 
 # wsMeta/presenceSeq attribute.
 SEQ = "seq"
+
+# BOT rows (pk BOT, sk <clientId>) and their attributes.
+BOT_PK = "BOT"
+BOT_NAME = "name"
+BOT_OWNER = "owner"
+
+# CURRENTGAMES#<userId> rows (sk <gameId>): the dashboard summary of a game.
+CURRENT_GAMES_PREFIX = "CURRENTGAMES#"
+GAME_ID = "id"
+META_GAME = "metaGame"
+PLAYERS = "players"
+PLAYER_ID = "id"
+TO_MOVE = "toMove"
 
 
 def connection_key(connection_id: str) -> Item:
@@ -135,4 +151,55 @@ def from_item(item: Item) -> ConnectionRecord:
         watch_version=parse_int(item.get(WATCH_VERSION)),
         watching_games=frozenset(games.get("SS", ())) if games else frozenset(),
         ttl=parse_int(item.get(TTL)) or 0,
+    )
+
+
+def bot_key(client_id: str) -> Item:
+    """The primary key of one bot's ``BOT`` row."""
+    return {PK: {"S": BOT_PK}, SK: {"S": client_id}}
+
+
+def bot_from_item(item: Item) -> BotRecord:
+    return BotRecord(
+        client_id=_string(item.get(SK), ""),
+        name=_string(item.get(BOT_NAME), ""),
+        owner=_string(item.get(BOT_OWNER), ""),
+    )
+
+
+def current_games_pk(user_id: str) -> str:
+    return f"{CURRENT_GAMES_PREFIX}{user_id}"
+
+
+def _to_move(value: AttributeValue | None) -> ToMove:
+    if value is None:
+        return None
+    if "S" in value:
+        return str(value["S"])
+    if "L" in value:  # simultaneous games: one flag per player
+        return tuple(bool(entry.get("BOOL", False)) for entry in value["L"])
+    return None
+
+
+def _player_ids(value: AttributeValue | None) -> tuple[str, ...]:
+    if value is None or "L" not in value:
+        return ()
+    ids: list[str] = []
+    for entry in value["L"]:
+        player = entry.get("M", {})
+        ids.append(_string(player.get(PLAYER_ID), ""))
+    return tuple(ids)
+
+
+def current_game_from_item(item: Item) -> CurrentGame | None:
+    """A ``CURRENTGAMES#`` row, or None without a game id or metaGame."""
+    game_id = _string(item.get(GAME_ID), "") or _string(item.get(SK), "")
+    meta = _string(item.get(META_GAME), "")
+    if not game_id or not meta:
+        return None
+    return CurrentGame(
+        game_id=game_id,
+        meta=meta,
+        player_ids=_player_ids(item.get(PLAYERS)),
+        to_move=_to_move(item.get(TO_MOVE)),
     )

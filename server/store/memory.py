@@ -10,7 +10,7 @@ from typing import Any
 
 from protocol.chat import COMMENTS_CAP_BYTES, comment_weight
 from server.store import records as r
-from server.store.base import ConnectionRecord
+from server.store.base import BotRecord, ConnectionRecord, CurrentGame, ToMove
 from server.store.records import (
     AppendOutcome,
     AppendStatus,
@@ -92,6 +92,49 @@ class MemoryStore:
 
     async def current_presence_seq(self) -> int:
         return self._presence_seq
+
+    # --- the backend's BOT and CURRENTGAMES# rows (read by the bot service) ------
+
+    async def get_bot(self, client_id: str) -> BotRecord | None:
+        row = self._rows.get((r.BOT_PK, client_id))
+        if row is None:
+            return None
+        return BotRecord(client_id, str(row.get("name", "")), str(row.get("owner", "")))
+
+    async def current_games(self, user_id: str) -> list[CurrentGame]:
+        pk = r.CURRENTGAMES_PREFIX + user_id
+        games: list[CurrentGame] = []
+        for (row_pk, sk), row in sorted(self._rows.items()):
+            if row_pk != pk:
+                continue
+            game_id, meta = row.get("id") or sk, row.get("metaGame")
+            if not isinstance(game_id, str) or not isinstance(meta, str) or not meta:
+                continue
+            players = row.get(r.PLAYERS)
+            ids = tuple(
+                str(p.get(r.PLAYER_ID, "")) if isinstance(p, dict) else ""
+                for p in (players if isinstance(players, list) else [])
+            )
+            games.append(CurrentGame(game_id, meta, ids, _to_move(row.get("toMove"))))
+        return games
+
+    def put_bot(self, bot: BotRecord) -> None:
+        """Seed a ``BOT`` row as the backend's ``create_bot`` writes it."""
+        self.put_row(r.BOT_PK, bot.client_id, {"name": bot.name, "owner": bot.owner})
+
+    def put_current_game(self, user_id: str, game: CurrentGame) -> None:
+        """Seed a ``CURRENTGAMES#`` row as the backend's game projector writes it."""
+        to_move = list(game.to_move) if isinstance(game.to_move, tuple) else game.to_move
+        self.put_row(
+            r.CURRENTGAMES_PREFIX + user_id,
+            game.game_id,
+            {
+                "id": game.game_id,
+                "metaGame": game.meta,
+                r.PLAYERS: [{r.PLAYER_ID: player} for player in game.player_ids],
+                "toMove": to_move,
+            },
+        )
 
     # --- game-side records ----------------------------------------------------
 
@@ -178,3 +221,11 @@ def _mark(row: Row, at_ms: int, is_author: bool) -> None:
     row[r.LAST_CHAT] = at_ms
     if is_author:
         row[r.SEEN] = at_ms + r.AUTHOR_SEEN_LEAD_MS
+
+
+def _to_move(value: Any) -> ToMove:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return tuple(bool(flag) for flag in value)
+    return None

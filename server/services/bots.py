@@ -1,0 +1,175 @@
+"""Bots as WebSocket clients: who may connect, and which games wait for their move.
+
+A bot proves who it is with an access token of the bot pool (``server.auth``);
+here it must also have a ``BOT`` row, and may hold at most
+``--bot-max-connections`` sockets on one node. Right after it subscribes, it is
+told every current game where it is to move (``pendingTurns``, from its
+``CURRENTGAMES#`` rows) and watches all its current games, so a bot that was
+away learns everything it missed without any call of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
+
+from protocol.codec import Frame
+from protocol.errors import MAX_WATCHED_GAMES, CloseCode, ErrorCode
+from protocol.messages import GameKey, PendingTurns, game_key
+from protocol.streams import user_stream
+from server.connection import Session
+from server.metrics import REGISTRY
+from server.store.base import CurrentGame, Store, StoreUnavailable
+
+if TYPE_CHECKING:
+    from server.node import Node
+
+log = logging.getLogger(__name__)
+
+KNOWN_BOT_CACHE_SECONDS = 60.0
+"""How long a found ``BOT`` row is trusted: a deleted bot is locked out within a minute."""
+
+UNKNOWN_BOT_CACHE_SECONDS = 5.0
+"""How long a missing ``BOT`` row is remembered: short, so a newly created bot
+can connect at once, yet a reconnect loop of an unknown bot costs one read per 5 s."""
+
+bot_refusals = REGISTRY.counter("ap_bot_refusals_total", "Bot subscribes refused")
+pending_sent = REGISTRY.counter("ap_bot_pending_turns_total", "pendingTurns frames sent to bots")
+
+
+def is_to_move(game: CurrentGame, player_id: str) -> bool:
+    """Whether ``player_id`` must move in ``game``.
+
+    ``toMove`` is the index of the player to move, as a string, or for
+    simultaneous games one flag per player, in the order of ``players``.
+    """
+    players = game.player_ids
+    to_move = game.to_move
+    if isinstance(to_move, str):
+        try:
+            index = int(to_move)
+        except ValueError:
+            return False
+        return 0 <= index < len(players) and players[index] == player_id
+    if isinstance(to_move, tuple):
+        return any(
+            flag and index < len(players) and players[index] == player_id
+            for index, flag in enumerate(to_move)
+        )
+    return False
+
+
+class BotService:
+    """Admission and pending turns of bot connections on one node."""
+
+    def __init__(
+        self,
+        store: Store,
+        max_connections: int,
+        outbox_limit: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._max_connections = max_connections
+        self._outbox_limit = outbox_limit
+        self._clock = clock
+        self._known: dict[str, tuple[float, bool]] = {}  # bot id -> (expires at, has a row)
+
+    async def known(self, bot_id: str) -> bool:
+        """Whether the bot has a ``BOT`` row, from a short cache (raises StoreUnavailable)."""
+        now = self._clock()
+        cached = self._known.get(bot_id)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        found = await self._store.get_bot(bot_id) is not None
+        ttl = KNOWN_BOT_CACHE_SECONDS if found else UNKNOWN_BOT_CACHE_SECONDS
+        if len(self._known) > 10_000:
+            self._known = {k: v for k, v in self._known.items() if v[0] > now}
+        self._known[bot_id] = (now + ttl, found)
+        return found
+
+    async def admit(
+        self, session: Session, bot_id: str, connections: Callable[[], Collection[Session]]
+    ) -> bool:
+        """Check the ``BOT`` row and the connection limit; on refusal send the error,
+        close the socket and return False. ``connections`` gives the bot's subscribed
+        sessions on this node, read after the row check so concurrent subscribes count."""
+        try:
+            found = await self.known(bot_id)
+        except StoreUnavailable as exc:
+            log.warning("bot %s: BOT row unreadable: %s", bot_id, exc)
+            return self._refuse(
+                session,
+                ErrorCode.UNAVAILABLE,
+                "the bot registry cannot be read right now; reconnect later",
+                CloseCode.TRY_AGAIN_LATER,
+            )
+        if not found:
+            return self._refuse(
+                session,
+                ErrorCode.UNAUTHORIZED,
+                f"no bot is registered with client id {bot_id!r}",
+                CloseCode.POLICY_VIOLATION,
+            )
+        others = [s for s in connections() if s is not session]
+        if len(others) >= self._max_connections:
+            return self._refuse(
+                session,
+                ErrorCode.TOO_MANY_CONNECTIONS,
+                f"this bot already has {len(others)} connections to this server "
+                f"(at most {self._max_connections})",
+                CloseCode.TOO_MANY_CONNECTIONS,
+            )
+        return True
+
+    def _refuse(self, session: Session, code: ErrorCode, message: str, close: CloseCode) -> bool:
+        bot_refusals.inc()
+        session.send_error(code, message, self._outbox_limit)
+        session.close(close, code.value)
+        return False
+
+    async def send_pending_turns(self, node: Node, session: Session) -> None:
+        """Watch every current game of the bot and send ``pendingTurns``."""
+        bot_id = session.user_id
+        assert bot_id is not None
+        try:
+            # Hear the bot's user stream before reading its games: a turn published
+            # after the read then arrives live, one published before is in the rows.
+            await node.bus.subscribe([user_stream(bot_id)])
+        except Exception as exc:
+            log.warning("bot %s: user stream subscription failed: %s", bot_id, exc)
+        try:
+            games = await self._store.current_games(bot_id)
+        except StoreUnavailable as exc:
+            log.warning("bot %s: CURRENTGAMES# unreadable: %s", bot_id, exc)
+            # Without the list the bot could miss a turn forever: make it retry.
+            self._refuse(
+                session,
+                ErrorCode.UNAVAILABLE,
+                "your current games cannot be read right now; reconnect later",
+                CloseCode.TRY_AGAIN_LATER,
+            )
+            return
+        if session not in node.sessions or session.user_id != bot_id:
+            return  # closed (or taken over) while the games were read
+        watched = watch_set(session.watching, games)
+        if watched != session.watching:
+            await node.watch(session, watched)
+            if session not in node.sessions:
+                return
+        pending = tuple((g.meta, g.game_id) for g in games if is_to_move(g, bot_id))
+        pending_sent.inc()
+        session.send(Frame(PendingTurns(games=pending)), self._outbox_limit)
+
+
+def watch_set(watching: frozenset[GameKey], games: list[CurrentGame]) -> frozenset[GameKey]:
+    """The bot's own watch set plus its current games, within the per-connection cap."""
+    keys = set(watching)
+    for game in games:
+        if len(keys) >= MAX_WATCHED_GAMES:
+            log.warning("bot is in more than %d games; watching the first ones", MAX_WATCHED_GAMES)
+            break
+        keys.add(game_key(game.meta, game.game_id))
+    return frozenset(keys)

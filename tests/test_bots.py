@@ -1,0 +1,381 @@
+"""Bots over WebSocket: bot tokens vs human tokens, the BOT row, pendingTurns,
+presence, and the per-node connection limit. End to end over real sockets, with
+both pools' JWKS served over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from server.store import BotRecord, CurrentGame, MemoryStore, StoreUnavailable
+from server.store.dynamodb import DynamoStore
+from tests.client import Client
+from tests.cluster.harness import eventually
+from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, run_server
+from tests.tokens import BOT_SCOPE, HUMAN_CLIENT_ID, JwksServer, Pool
+
+BOT = "bot-client-1"
+
+
+@dataclass
+class World:
+    server: RunningServer
+    store: MemoryStore
+    humans: Pool
+    bots: Pool
+    jwks: JwksServer
+
+    async def bot(self, token: str | None = None) -> Client:
+        client = await self.server.client()
+        await client.send({"action": "subscribe", "token": token or self.bots.bot_token(BOT)})
+        return client
+
+
+def game(game_id: str, players: list[str], to_move: str | tuple[bool, ...]) -> CurrentGame:
+    return CurrentGame(game_id=game_id, meta="chess", player_ids=tuple(players), to_move=to_move)
+
+
+@pytest.fixture
+async def jwks() -> AsyncIterator[JwksServer]:
+    server = JwksServer()
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+async def world(jwks: JwksServer, request: pytest.FixtureRequest) -> AsyncIterator[World]:
+    humans, bots = jwks.pool("humans"), jwks.pool("bots")
+    store = MemoryStore()
+    store.put_bot(BotRecord(client_id=BOT, name="Tester", owner="owner-1"))
+    store.put_bot(BotRecord(client_id="bot-2", name="Other", owner="owner-1"))
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        cognito_issuer=humans.issuer,
+        cognito_client_id=HUMAN_CLIENT_ID,
+        bot_cognito_issuer=bots.issuer,
+        bot_scope=BOT_SCOPE,
+        **getattr(request, "param", {}),
+    )
+    async with run_server(settings, store) as server:
+        yield World(server, store, humans, bots, jwks)
+
+
+def pending(message: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(g["meta"], g["id"]) for g in message["payload"]["games"]}
+
+
+async def pending_turns(client: Client) -> set[tuple[str, str]]:
+    return pending(await client.next_message(lambda m: m["verb"] == "pendingTurns"))
+
+
+async def test_pending_turns_list_every_game_where_the_bot_is_to_move(world: World) -> None:
+    for row in [
+        game("g-mine", ["alice", BOT], "1"),
+        game("g-theirs", ["alice", BOT], "0"),
+        game("g-simul-mine", [BOT, "bob", "carol"], (False, True, True)),
+        game("g-simul-mine-2", [BOT, "bob"], (True, False)),
+        game("g-simul-done", [BOT, "bob"], (False, True)),
+        game("g-bad-index", [BOT, "bob"], "7"),
+    ]:
+        world.store.put_current_game(BOT, row)
+    world.store.put_current_game("alice", game("g-alice-only", ["alice", "bob"], "0"))
+    bot = await world.bot()
+    assert await pending_turns(bot) == {("chess", "g-mine"), ("chess", "g-simul-mine-2")}
+    # simultaneous: index 0 is the bot, whose flag is False in g-simul-mine
+    assert world.server.node.by_user[BOT]
+
+
+async def test_a_bot_watches_all_its_current_games_without_watch_games(world: World) -> None:
+    world.store.put_current_game(BOT, game("g1", ["alice", BOT], "0"))
+    world.store.put_current_game(BOT, game("g2", [BOT, "bob"], "1"))
+    bot = await world.bot()
+    assert await pending_turns(bot) == set()
+    for game_id in ("g-other", "g2", "g1"):
+        status, _ = await world.server.publish(
+            {"verb": "game", "payload": {"meta": "chess", "id": game_id}}
+        )
+        assert status == 202
+    await bot.next_message(lambda m: m["verb"] == "game" and m["payload"]["id"] == "g1")
+    got = [m["payload"]["id"] for m in bot.of_verb("game")]
+    assert got == ["g2", "g1"]  # not g-other: a bot is never a legacy "every game" client
+    row = await world.store.get_connection(next(iter(world.server.node.by_user[BOT])).connection_id)
+    assert row is not None and row.watching_games == {"chess#g1", "chess#g2"}
+    assert row.wants_presence is False and row.watch_version == 1
+
+
+async def test_bots_are_not_in_presence_and_get_no_presence_frames(world: World) -> None:
+    alice = await world.server.subscribed("alice", token=world.humans.id_token("alice"))
+    bot = await world.bot()
+    await pending_turns(bot)
+    await asyncio.sleep(TEST_SETTINGS.presence_debounce * 3)
+    await alice.barrier()
+    assert alice.presence.visible == {"alice"}
+    assert alice.presence.server_total == 1
+    assert world.server.node.local_presence.user_count == 1
+    # a presence change reaches humans, and still not the bot
+    await world.server.subscribed("bob", token=world.humans.id_token("bob"))
+    await alice.wait_for(lambda: "bob" in alice.presence.visible)
+    await bot.close()
+    await asyncio.sleep(TEST_SETTINGS.presence_debounce * 3)
+    assert bot.of_verb("connections") == []
+    assert alice.presence.server_total == 2
+
+
+async def test_a_bot_that_asks_for_presence_gets_it(world: World) -> None:
+    await world.server.subscribed("alice", token=world.humans.id_token("alice"))
+    bot = await world.server.client()
+    await bot.send(
+        {"action": "subscribe", "token": world.bots.bot_token(BOT), "wantsPresence": True}
+    )
+    await pending_turns(bot)
+    snapshot = (await bot.next_message(lambda m: m["verb"] == "connections"))["payload"]
+    assert snapshot["type"] == "snapshot" and BOT not in snapshot["visibleUserIds"]
+
+
+async def test_human_and_bot_tokens_are_told_apart(world: World) -> None:
+    alice = await world.server.subscribed("alice", token=world.humans.id_token("alice"))
+    session = next(iter(world.server.node.by_user["alice"]))
+    assert session.kind == "human" and not session.is_bot
+    bot = await world.bot()
+    await pending_turns(bot)
+    assert next(iter(world.server.node.by_user[BOT])).kind == "bot"
+    assert alice.of_verb("pendingTurns") == []
+
+
+REFUSED = [
+    ("no scope", lambda p: p.bot_token(BOT, scope=None), "scope"),
+    ("another scope", lambda p: p.bot_token(BOT, scope="aws.cognito.signin.user.admin"), "scope"),
+    ("scope is a prefix", lambda p: p.bot_token(BOT, scope=BOT_SCOPE + "x"), "scope"),
+    ("id token of the bot pool", lambda p: p.bot_token(BOT, token_use="id"), "access token"),
+    ("no token_use", lambda p: p.bot_token(BOT, token_use=None), "access token"),
+    ("expired", lambda p: p.bot_token(BOT, exp=1_000_000), "expired"),
+    ("client_id is not sub", lambda p: p.bot_token(BOT, client_id="bot-2"), "client_id"),
+    ("unknown BOT row", lambda p: p.bot_token("bot-nobody"), "no bot is registered"),
+]
+
+
+@pytest.mark.parametrize(("case", "token", "reason"), REFUSED, ids=[c[0] for c in REFUSED])
+async def test_bad_bot_tokens_are_refused(world: World, case: str, token: Any, reason: str) -> None:
+    client = await world.bot(token(world.bots))
+    error = await client.next_message(lambda m: m["verb"] == "error")
+    assert error["payload"]["code"] == "unauthorized"
+    assert reason in error["payload"]["message"]
+    assert (await client.closed())[0] == 1008
+    assert BOT not in world.server.node.by_user
+
+
+async def test_a_human_token_is_never_a_bot_token_and_back(world: World) -> None:
+    cases = [
+        # a human access token (right pool and key, wrong kind)
+        (world.humans.id_token("alice", token_use="access"), "not an ID token"),
+        # bot claims signed by the human pool's key: the bot pool does not know it
+        (world.humans.sign({**_claims(world.bots), "sub": BOT}, kid="key-1"), None),
+        # a bot token whose iss names the human pool
+        (world.bots.bot_token(BOT, iss=world.humans.issuer), None),
+        # a human ID token claiming the bot pool as issuer
+        (world.humans.id_token("alice", iss=world.bots.issuer), None),
+    ]
+    for token, reason in cases:
+        client = await world.bot(token)
+        error = await client.next_message(lambda m: m["verb"] == "error")
+        assert error["payload"]["code"] == "unauthorized", error
+        if reason is not None:
+            assert reason in error["payload"]["message"]
+        assert (await client.closed())[0] == 1008
+    assert set(world.server.node.by_user) == set()
+
+
+def _claims(pool: Pool) -> dict[str, Any]:
+    import jwt
+
+    return dict(jwt.decode(pool.bot_token(BOT), options={"verify_signature": False}))
+
+
+@pytest.mark.parametrize("world", [{"bot_max_connections": 2}], indirect=True)
+async def test_a_bot_may_hold_at_most_max_connections(world: World) -> None:
+    first, second = await world.bot(), await world.bot()
+    await pending_turns(first)
+    await pending_turns(second)
+    third = await world.bot()
+    error = await third.next_message(lambda m: m["verb"] == "error")
+    assert error["payload"]["code"] == "too_many_connections"
+    assert "at most 2" in error["payload"]["message"]
+    assert (await third.closed())[0] == 4509
+    other = await world.bot(world.bots.bot_token("bot-2"))  # the limit is per bot
+    await pending_turns(other)
+    await first.close()
+    node = world.server.node
+    await eventually(lambda: len(node.by_user[BOT]) == 1, 5, "the closed socket to leave")
+    fourth = await world.bot()
+    assert await pending_turns(fourth) == set()
+    assert len(world.server.node.by_user[BOT]) == 2
+
+
+async def test_the_bot_pool_being_unreachable_is_a_clear_try_again(world: World) -> None:
+    await world.jwks.stop()
+    client = await world.bot()
+    error = await client.next_message(lambda m: m["verb"] == "error")
+    assert error["payload"]["code"] == "unavailable"
+    assert world.bots.issuer + "/.well-known/jwks.json" in error["payload"]["message"]
+    assert (await client.closed())[0] == 1013
+
+
+# ------------------------------------------------------------------ DynamoDB
+
+
+def _put_current_game(raw: Any, table: str, player: str, game_id: str, to_move: Any) -> None:
+    """A CURRENTGAMES# row as the backend's game projector writes it."""
+    players = [("alice", "Alice"), (BOT, "Tester"), ("bob", "Bob")]
+    raw.put_item(
+        TableName=table,
+        Item={
+            "pk": {"S": f"CURRENTGAMES#{player}"},
+            "sk": {"S": game_id},
+            "id": {"S": game_id},
+            "metaGame": {"S": "homeworlds"},
+            "players": {
+                "L": [
+                    {"M": {"id": {"S": pid}, "name": {"S": name}, "time": {"N": "86400000"}}}
+                    for pid, name in players
+                ]
+            },
+            "clockHard": {"BOOL": False},
+            "noExplore": {"BOOL": False},
+            "toMove": to_move,
+            "lastMoveTime": {"N": "1764500000000"},
+            "variants": {"L": [{"S": "quick"}]},
+            "gameStarted": {"N": "1764400000000"},
+            "numMoves": {"N": "12"},
+        },
+    )
+
+
+async def test_pending_turns_from_currentgames_rows_in_dynamodb(
+    jwks: JwksServer, dynamodb_endpoint: str, table: str, raw: Any
+) -> None:
+    bots = jwks.pool("bots")
+    raw.put_item(
+        TableName=table,
+        Item={
+            "pk": {"S": "BOT"},
+            "sk": {"S": BOT},
+            "name": {"S": "Tester"},
+            "endpoint": {"S": "https://bot.example/hook"},
+            "owner": {"S": "owner-1"},
+            "lastseen": {"N": "1764500000000"},
+            "supported": {"L": [{"M": {"meta": {"S": "homeworlds"}, "variants": {"L": []}}}]},
+        },
+    )
+    _put_current_game(raw, table, BOT, "hw-mine", {"S": "1"})
+    _put_current_game(raw, table, BOT, "hw-theirs", {"S": "2"})
+    _put_current_game(
+        raw, table, BOT, "hw-simul", {"L": [{"BOOL": False}, {"BOOL": True}, {"BOOL": True}]}
+    )
+    _put_current_game(
+        raw,
+        table,
+        BOT,
+        "hw-simul-waiting",
+        {"L": [{"BOOL": True}, {"BOOL": False}, {"BOOL": True}]},
+    )
+    _put_current_game(raw, table, "alice", "hw-alice", {"S": "0"})
+    store = DynamoStore(table=table, region=TEST_REGION, endpoint_url=dynamodb_endpoint)
+    settings = dataclasses.replace(
+        TEST_SETTINGS, bot_cognito_issuer=bots.issuer, bot_scope=BOT_SCOPE, store="dynamodb"
+    )
+    async with run_server(settings, store) as server:
+        client = await server.client()
+        await client.send({"action": "subscribe", "token": bots.bot_token(BOT)})
+        assert await pending_turns(client) == {
+            ("homeworlds", "hw-mine"),
+            ("homeworlds", "hw-simul"),
+        }
+        unknown = await server.client()
+        await unknown.send({"action": "subscribe", "token": bots.bot_token("bot-unknown")})
+        error = await unknown.next_message(lambda m: m["verb"] == "error")
+        assert error["payload"]["code"] == "unauthorized"
+        assert (await unknown.closed())[0] == 1008
+
+
+class GamesUnreadable(MemoryStore):
+    """A store whose CURRENTGAMES# reads fail, as DynamoDB does after its retries."""
+
+    async def current_games(self, user_id: str) -> list[CurrentGame]:
+        raise StoreUnavailable("DynamoDB query failed after 8 attempts: ThrottlingException")
+
+
+async def test_unreadable_current_games_make_the_bot_retry(jwks: JwksServer) -> None:
+    bots = jwks.pool("bots")
+    store = GamesUnreadable()
+    store.put_bot(BotRecord(client_id=BOT, name="Tester", owner="owner-1"))
+    settings = dataclasses.replace(
+        TEST_SETTINGS, bot_cognito_issuer=bots.issuer, bot_scope=BOT_SCOPE
+    )
+    async with run_server(settings, store) as server:
+        client = await server.client()
+        await client.send({"action": "subscribe", "token": bots.bot_token(BOT)})
+        error = await client.next_message(lambda m: m["verb"] == "error")
+        assert error["payload"]["code"] == "unavailable"
+        assert "current games" in error["payload"]["message"]
+        assert (await client.closed())[0] == 1013
+        assert client.of_verb("pendingTurns") == []
+
+
+# ------------------------------------------------------------------ turns
+
+
+async def test_turns_reach_the_bot_live_with_their_stream_position(world: World) -> None:
+    bot = await world.bot()
+    await pending_turns(bot)
+    body = {"verb": "yourTurn", "users": [BOT], "payload": {"meta": "chess", "id": "g9"}}
+    status, reply = await world.server.publish(body)
+    assert status == 202, reply
+    message = await bot.next_message(lambda m: m["verb"] == "yourTurn")
+    assert message["payload"] == {"meta": "chess", "id": "g9"}
+    assert message["stream"] == f"user:{BOT}"
+    assert isinstance(message["epoch"], str) and message["offset"] == 1
+
+
+async def test_a_bot_whose_history_is_gone_gets_recovered_false_then_pending_turns(
+    world: World,
+) -> None:
+    world.store.put_current_game(BOT, game("g-waiting", ["alice", BOT], "1"))
+    bot = await world.server.client()
+    since = {f"user:{BOT}": {"epoch": "an-epoch-long-gone", "offset": 41}}
+    await bot.send({"action": "subscribe", "token": world.bots.bot_token(BOT), "since": since})
+    assert await pending_turns(bot) == {("chess", "g-waiting")}
+    verbs = [m["verb"] for m in bot.messages]
+    recovered = bot.of_verb("recovered")
+    assert len(recovered) == 1 and recovered[0]["payload"]["recovered"] is False
+    assert verbs.index("recovered") < verbs.index("pendingTurns")
+
+
+@pytest.mark.parametrize("world", [{"history_ttl": 1, "stream_meta_ttl": 1}], indirect=True)
+async def test_a_bot_whose_stream_restarts_under_it_gets_pending_turns_again(
+    world: World,
+) -> None:
+    world.store.put_current_game(BOT, game("g-waiting", ["alice", BOT], "1"))
+    bot = await world.server.client()
+    since = {f"user:{BOT}": {"epoch": "", "offset": 0}}  # speaks streams from the start
+    await bot.send({"action": "subscribe", "token": world.bots.bot_token(BOT), "since": since})
+    await pending_turns(bot)
+    body = {"verb": "yourTurn", "users": [BOT], "payload": {"meta": "chess", "id": "g1"}}
+    assert (await world.server.publish(body))[0] == 202
+    first = await bot.next_message(lambda m: m["verb"] == "yourTurn")
+    await asyncio.sleep(1.5)  # the stream's epoch expires: the next event starts a new one
+    assert (await world.server.publish(body))[0] == 202
+    await bot.wait_for(lambda: len(bot.of_verb("pendingTurns")) == 2)
+    lost = [m for m in bot.of_verb("recovered") if m["payload"]["recovered"] is False]
+    assert lost and lost[-1]["payload"]["epoch"] != first["epoch"]
+    verbs = [m["verb"] for m in bot.messages]
+    last_lost = len(verbs) - 1 - verbs[::-1].index("recovered")
+    assert verbs.index("pendingTurns", last_lost) > last_lost
+    assert pending(bot.of_verb("pendingTurns")[-1]) == {("chess", "g-waiting")}
