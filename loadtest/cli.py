@@ -66,7 +66,10 @@ HELP = {
     "fanout": "N connections watching M games under publishes: throughput, CPU, latency",
     "presence": "join/leave churn: delta latency to every observer, seq gaps",
     "storm": "K clients connect at once: time until all hold a snapshot, failed connects",
-    "cluster": "fanout and presence over several nodes, Redis and DynamoDB (moto)",
+    "cluster": (
+        "fanout and presence over several nodes, Redis and DynamoDB (moto); the same fanout "
+        "over a 6-instance Redis Cluster, and a primary's kill -9"
+    ),
     "baseline": "the fanout measurement of the minimal websockets.broadcast server alone",
     "bridge": "SQS queue (moto) -> two bridging nodes -> watchers, then one node killed",
     "bots": "bots on one node get yourTurn events published via another; that node restarts",
@@ -193,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name == "cluster":
             sub.add_argument("--nodes", type=int, default=2)
+            sub.add_argument(
+                "--failover-seconds",
+                type=float,
+                help="events keep flowing this long after a Redis Cluster primary is killed",
+            )
         if name == "abuse":
             sub.add_argument(
                 "--attackers", type=float, default=1.0, help="scale of every attack's count"
@@ -232,6 +240,7 @@ def options_from(args: argparse.Namespace) -> Options:
         "full_observers",
         "storm_timeout",
         "nodes",
+        "failover_seconds",
         "observers",
         "away_events",
     ):
@@ -357,6 +366,8 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
         elif name == "cluster":
             for part in ("fanout", "presence"):
                 rows += _server_rows(f"cluster ({figs['nodes']} nodes) {part}", figs[part])
+        elif name == "rcluster":
+            rows += _server_rows(f"Redis Cluster ({figs['nodes']} nodes) fanout", figs["fanout"])
         else:
             rows += _server_rows(name, figs)
     return rows

@@ -85,14 +85,21 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
         store = build_store(settings)
     bus: Bus
     backend: PresenceBackend
-    if settings.redis_url is not None:
+    if settings.clustered:
         from server.bus.redis_bus import RedisBus
+        from server.bus.redis_cluster_bus import RedisClusterBus
         from server.bus.redis_streams import RedisStreams
         from server.cluster import RedisPresenceBackend
 
-        redis_bus = RedisBus(settings.redis_url, name=settings.node_id)
+        redis_bus: RedisBus | RedisClusterBus
+        if settings.redis_cluster_url is not None:
+            redis_bus = RedisClusterBus(settings.redis_cluster_url, name=settings.node_id)
+            streams = RedisStreams.on_cluster(redis_bus, settings.stream_limits)
+        else:
+            assert settings.redis_url is not None
+            redis_bus = RedisBus(settings.redis_url, name=settings.node_id)
+            streams = RedisStreams(settings.redis_url, settings.stream_limits)
         cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store)
-        streams = RedisStreams(settings.redis_url, settings.stream_limits)
         node = Node(
             settings,
             store,
@@ -100,7 +107,7 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
             cluster,
             build_authenticator(settings),
             streams,
-            redis_coordination(settings, settings.redis_url),
+            redis_coordination(settings),
         )
         # After a Redis reconnect the node reloads presence and re-snapshots its
         # clients; if the cluster presumed it dead, it writes its rows again.
@@ -173,17 +180,24 @@ def _lease(settings: Settings, key: str) -> Lease:
     return MemoryLease()
 
 
-def redis_coordination(settings: Settings, url: str) -> Coordination:
-    """The services' cluster-wide parts: per-game chat locks, the chat rate, lastSeen claims."""
+def redis_coordination(settings: Settings) -> Coordination:
+    """The services' cluster-wide parts: per-game chat locks, the chat rate, lastSeen claims.
+
+    Their keys carry the hash tag of a game or a user, one key per script, so
+    they work unchanged on a Redis Cluster.
+    """
     from server.services.chat import RATE_WINDOW_SECONDS
     from server.services.claims import RedisClaims
     from server.services.game_lock import RedisGameLocks
     from server.services.rate_limit import RedisRateLimiter
 
+    sharded = settings.redis_cluster_url is not None
+    url = settings.redis_cluster_url if sharded else settings.redis_url
+    assert url is not None
     return Coordination(
-        RedisGameLocks(url),
-        RedisRateLimiter(url, "chat", settings.chat_rate, RATE_WINDOW_SECONDS),
-        RedisClaims(url, "last-seen"),
+        RedisGameLocks(url, cluster=sharded),
+        RedisRateLimiter(url, "chat", settings.chat_rate, RATE_WINDOW_SECONDS, cluster=sharded),
+        RedisClaims(url, "last-seen", cluster=sharded),
     )
 
 
@@ -365,7 +379,13 @@ async def serve_forever(settings: Settings) -> None:
     ws_server, runner = await start_listeners(node, reclaimer)
     reclaimer.start()
     gc.freeze()  # what start-up allocated lives as long as the process
-    mode = "cluster node (Redis bus)" if settings.clustered else "embedded (in-process bus)"
+    mode = (
+        "cluster node (Redis Cluster bus)"
+        if settings.redis_cluster_url is not None
+        else "cluster node (Redis bus)"
+        if settings.clustered
+        else "embedded (in-process bus)"
+    )
     log.info(
         "ap-realtime %s: ws://%s:%d, internal http://%s:%d, node %s, %s store, auth %s",
         mode,

@@ -47,6 +47,7 @@ class Settings:
     region: str = "us-east-1"
     store: str = "memory"
     redis_url: str | None = None
+    redis_cluster_url: str | None = None
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
     history_size: int = 50
@@ -83,7 +84,7 @@ class Settings:
 
     @property
     def clustered(self) -> bool:
-        return self.redis_url is not None
+        return self.redis_url is not None or self.redis_cluster_url is not None
 
 
 _HELP: dict[str, str] = {
@@ -114,6 +115,10 @@ _HELP: dict[str, str] = {
     "region": "AWS region of the table",
     "store": "connection store: memory or dynamodb",
     "redis_url": "Redis URL; makes this process one node of a cluster",
+    "redis_cluster_url": (
+        "Redis Cluster seed nodes, redis://host:port[,redis://host:port...]; like "
+        "--redis-url, over a Redis Cluster with sharded pub/sub"
+    ),
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
     "history_size": "events kept per stream for recovery after a reconnect",
@@ -220,9 +225,19 @@ def load(args: argparse.Namespace | None, environ: Mapping[str, str] | None = No
 def _validate(settings: Settings) -> None:
     if settings.store not in ("memory", "dynamodb"):
         raise SystemExit(f"--store must be memory or dynamodb, not {settings.store!r}")
+    if settings.redis_url is not None and settings.redis_cluster_url is not None:
+        raise SystemExit("--redis-url and --redis-cluster-url exclude each other: pick one")
+    if settings.redis_cluster_url is not None:
+        from server.bus.redis_cluster_bus import startup_nodes
+
+        try:
+            startup_nodes(settings.redis_cluster_url)
+        except ValueError as exc:
+            raise SystemExit(f"--redis-cluster-url: {exc}") from None
     if settings.clustered and settings.store == "memory":
+        flag = "--redis-url" if settings.redis_url is not None else "--redis-cluster-url"
         raise SystemExit(
-            "--redis-url needs a shared store: add --dynamodb-endpoint or --store dynamodb"
+            f"{flag} needs a shared store: add --dynamodb-endpoint or --store dynamodb"
         )
     if (settings.cognito_issuer is None) != (settings.cognito_client_id is None):
         raise SystemExit("--cognito-issuer and --cognito-client-id go together")
@@ -249,6 +264,15 @@ def _validate(settings: Settings) -> None:
         raise SystemExit(
             "--notifications-from-stream reads the table's stream and keeps its checkpoints "
             "in the table: add --store dynamodb (or --dynamodb-endpoint)"
+        )
+    if settings.redis_cluster_url is not None and (
+        settings.sqs_queue_url is not None or settings.notifications_from_stream
+    ):
+        # Their dedup keys and lease run on one Redis today; on a cluster each node
+        # would fall back to its own memory and push events twice.
+        raise SystemExit(
+            "--sqs-queue-url and --notifications-from-stream need --redis-url (one Redis); "
+            "they do not run on --redis-cluster-url yet"
         )
     if settings.stream_poll_ms < 200:
         raise SystemExit("--stream-poll-ms must be at least 200 (5 GetRecords/s per shard)")

@@ -102,6 +102,8 @@ from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, t
 
 log = logging.getLogger(__name__)
 
+RELOAD_ATTEMPTS = 20
+"""Tries to reload presence after a bus reconnect (about 15 s of backoff in all)."""
 SYNC_PRESENCE_INTERVAL = 1.0
 """Seconds between two snapshots answering one connection's syncPresence."""
 
@@ -1001,11 +1003,20 @@ class Node:
 
     async def _reload_view(self) -> None:
         presence_resyncs.inc()
-        try:
-            self.view.reset(await self.presence_backend.committed())
-        except Exception as exc:
-            log.warning("presence reload after a bus reconnect failed: %s", exc)
-            return
+        # Right after a reconnect Redis may still refuse (a cluster still
+        # electing, a client on a stale slot map): retry rather than leave the
+        # watchers without the snapshot that covers what they missed.
+        delay = 0.1
+        for attempt in range(RELOAD_ATTEMPTS):
+            try:
+                self.view.reset(await self.presence_backend.committed())
+                break
+            except Exception as exc:
+                if attempt == RELOAD_ATTEMPTS - 1:
+                    log.warning("presence reload after a bus reconnect failed: %s", exc)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
         send_frame(self.presence_watchers, self.view.snapshot_frame(), self._outbox_limit)
 
 

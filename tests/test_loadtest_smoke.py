@@ -48,7 +48,7 @@ SCENARIOS: dict[str, list[str]] = {
     "baseline": FANOUT,
     "storm": ["-n", "20"],
     "presence": ["-n", "20", *PRESENCE],
-    "cluster": [*FANOUT, *PRESENCE, "--no-baseline"],
+    "cluster": [*FANOUT, *PRESENCE, "--no-baseline", "--failover-seconds", "4"],
     "bridge": ["-n", "20", "--rate", "40", "--duration", "3"],
     "bots": [
         "-n",
@@ -237,6 +237,14 @@ def test_cluster(outcomes: dict[str, Outcome]) -> None:
     assert cluster["nodes"] == 2
     _check_fanout(cluster["fanout"])
     _check_presence(cluster["presence"])
+    sharded = servers["rcluster"]
+    assert sharded["nodes"] == 2
+    _check_fanout(sharded["fanout"])
+    outcome = outcomes["cluster"].figures
+    assert outcome is not None
+    failover = outcome["figures"]["failover"]
+    assert failover["accepted"] > 0 and failover["probes"] == 2
+    assert failover["resumed_after_s"] > 0  # delivery did resume after the kill
 
 
 def test_bridge(outcomes: dict[str, Outcome]) -> None:

@@ -22,7 +22,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
@@ -52,6 +52,25 @@ ReconnectCallback = Callable[[], None]
 
 class BusUnavailable(ConnectionError):
     """Redis could not be reached at start-up within the allowed time."""
+
+
+class SharedBus(Protocol):
+    """What cluster presence needs from a Redis-backed bus (one Redis or a cluster)."""
+
+    url: str
+    sharded: bool
+    """True on a Redis Cluster: scripts publish with SPUBLISH."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def connected_since(self) -> float: ...
+
+    def on_reconnect(self, callback: ReconnectCallback) -> None: ...
+
+    def command_client(self) -> Any:
+        """A new command client (``redis.asyncio.Redis`` or ``RedisCluster``)."""
 
 
 def channel_for(topic: str) -> str:
@@ -92,6 +111,8 @@ def make_client(
 
 
 class RedisBus:
+    sharded = False
+
     def __init__(
         self,
         url: str,
@@ -147,6 +168,10 @@ class RedisBus:
     def on_reconnect(self, callback: ReconnectCallback) -> None:
         """Call ``callback`` after every reconnect (not the first connect)."""
         self._callbacks.append(callback)
+
+    def command_client(self) -> aioredis.Redis:
+        """A client of its own for a caller's commands and scripts (presence)."""
+        return make_client(self.url, retries=1)
 
     # --- lifecycle ----------------------------------------------------------
 

@@ -19,7 +19,7 @@ from server.store.dynamodb import create_table
 from tests.client import Client
 from tests.cluster.conftest import FAILED
 from tests.cluster.harness import REGION, Cluster, eventually, new_workdir, remove_workdir
-from tests.services import start_redis_server
+from tests.services import RedisServer, start_redis_server
 
 NODES = ("b1", "b2")
 
@@ -137,6 +137,7 @@ async def test_a_redis_restart_keeps_messages_in_the_queue_until_published(
     bridged: tuple[Cluster, str],
 ) -> None:
     cluster, queue_url = bridged
+    assert isinstance(cluster.redis, RedisServer)  # one Redis, restarted empty
     watchers = [await cluster.client(name, f"w-{name}", games=[("chess", "g1")]) for name in NODES]
     await asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 20))
     for watcher in watchers:
