@@ -37,6 +37,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "presence": {"connections": 5000, "duration": 15.0},
     "storm": {"connections": 10000},
     "cluster": {"connections": 2000, "games": 200, "games_per_conn": 10, "bots": 0.1},
+    "bridge": {"connections": 2000, "duration": 20.0, "rate": 2000.0},
     "bots": {"connections": 500, "games_per_conn": 10, "rate": 200.0, "duration": 10.0},
     "abuse": {
         "connections": 1000,
@@ -65,8 +66,12 @@ HELP = {
     "fanout": "N connections watching M games under publishes: throughput, CPU, latency",
     "presence": "join/leave churn: delta latency to every observer, seq gaps",
     "storm": "K clients connect at once: time until all hold a snapshot, failed connects",
-    "cluster": "fanout and presence over several nodes, Redis and DynamoDB (moto)",
+    "cluster": (
+        "fanout and presence over several nodes, Redis and DynamoDB (moto); the same fanout "
+        "over a 6-instance Redis Cluster, and a primary's kill -9"
+    ),
     "baseline": "the fanout measurement of the minimal websockets.broadcast server alone",
+    "bridge": "SQS queue (moto) -> two bridging nodes -> watchers, then one node killed",
     "bots": "bots on one node get yourTurn events published via another; that node restarts",
     "abuse": "attacks on one node while N normal clients receive events: their p99, RSS, "
     "losses, and every attacker's close code",
@@ -171,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("presence", "cluster"):
             parents.append(pres)
         sub = commands.add_parser(name, parents=parents, help=HELP[name], description=HELP[name])
+        if name == "bridge":
+            sub.add_argument("--rate", type=float, help="messages/s into the queue (2000)")
         if name == "storm":
             sub.add_argument("--storm-timeout", type=float, default=60.0)
         if name == "recovery":
@@ -189,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name == "cluster":
             sub.add_argument("--nodes", type=int, default=2)
+            sub.add_argument(
+                "--failover-seconds",
+                type=float,
+                help="events keep flowing this long after a Redis Cluster primary is killed",
+            )
         if name == "abuse":
             sub.add_argument(
                 "--attackers", type=float, default=1.0, help="scale of every attack's count"
@@ -228,6 +240,7 @@ def options_from(args: argparse.Namespace) -> Options:
         "full_observers",
         "storm_timeout",
         "nodes",
+        "failover_seconds",
         "observers",
         "away_events",
     ):
@@ -348,9 +361,13 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
     servers: dict[str, Any] = result["figures"]["servers"]
     for name, figs in servers.items():
-        if name == "cluster":
+        if name == "bridge":
+            rows += _bridge_rows(figs)
+        elif name == "cluster":
             for part in ("fanout", "presence"):
                 rows += _server_rows(f"cluster ({figs['nodes']} nodes) {part}", figs[part])
+        elif name == "rcluster":
+            rows += _server_rows(f"Redis Cluster ({figs['nodes']} nodes) fanout", figs["fanout"])
         else:
             rows += _server_rows(name, figs)
     return rows
@@ -519,6 +536,65 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
         )
         add("server CPU", figs["server_cores"], "cores")
         add("generator CPU", figs["generator_cores"], "cores")
+    return rows
+
+
+def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
+    alone = figs["moto_alone"]
+    rows: list[tuple[str, str, str]] = [
+        (
+            "moto alone",
+            "sent / asked rate (no consumer)",
+            f"{_fmt(alone['send_rate'])} / {_fmt(alone['rate_asked'])} msg/s",
+        ),
+        (
+            "moto alone",
+            "SendMessageBatch p50/p99",
+            f"{_fmt(alone['send_call_ms']['p50'])} / {_fmt(alone['send_call_ms']['p99'])} ms",
+        ),
+    ]
+    for phase in ("steady", "kill"):
+        p = figs[phase]
+        name = f"bridge {phase}"
+        lat = p["latency"]
+        rows += [
+            (name, "sent / asked rate", f"{_fmt(p['send_rate'])} / {_fmt(p['rate_asked'])} msg/s"),
+            (name, "messages sent (failed)", f"{_fmt(p['sent'])} ({_fmt(p['send_failed'])})"),
+            (
+                name,
+                "SendMessageBatch p50/p99",
+                f"{_fmt(p['send_call_ms']['p50'])} / {_fmt(p['send_call_ms']['p99'])} ms",
+            ),
+            (
+                name,
+                "queue -> socket p50/p90/p99/max",
+                f"{_fmt(lat['p50_ms'])} / {_fmt(lat['p90_ms'])} / {_fmt(lat['p99_ms'])}"
+                f" / {_fmt(lat['max_ms'])} ms",
+            ),
+            (
+                name,
+                "deliveries (watchers counted)",
+                f"{_fmt(p['deliveries'])} ({p['watchers_counted']})",
+            ),
+            (name, "lost / duplicated", f"{p['lost']} / {p['dup']}"),
+            (
+                name,
+                "not yet delivered (still queued)",
+                f"{p['undelivered']} ({p['queue_left']} in the queue at the end)",
+            ),
+            (
+                name,
+                "CPU per message: nodes / moto",
+                f"{_fmt(p['node_cpu_ms_per_message'])} / {_fmt(p['moto_cpu_ms_per_message'])} ms",
+            ),
+            (
+                name,
+                "CPU cores (moto, redis, nodes)",
+                ", ".join(f"{k} {_fmt(v)}" for k, v in p["cpu_cores"].items()),
+            ),
+        ]
+        if p.get("killed"):
+            rows.append((name, "killed", str(p["killed"])))
     return rows
 
 

@@ -59,6 +59,8 @@ class Options:
     connect_timeout: float = 15.0
     storm_timeout: float = 60.0
     nodes: int = 2
+    failover_seconds: float = 8.0
+    """cluster: how long events keep flowing after a Redis Cluster primary is killed."""
     buses: tuple[str, ...] = ("embedded", "redis")
     """Streams scenarios: run a node on each of these buses."""
     away_events: int = 10
@@ -157,6 +159,7 @@ class Run:
         self.series: list[dict[str, Any]] = []
         self.stage: tuple[str, Callable[[], float], float] | None = None
         self.started = time.time()
+        self._on_exit: list[Callable[[], None]] = []
         self._sampler: asyncio.Task[None] | None = None
         self._meter0: Meter | None = None
         self.server_cpus: set[int] = set()
@@ -180,7 +183,13 @@ class Run:
         self.progress.clear()
         for proc in reversed(self.procs):
             proc.stop()
+        for cleanup in reversed(self._on_exit):
+            cleanup()
         self.pool.stop()
+
+    def on_exit(self, cleanup: Callable[[], None]) -> None:
+        """Run ``cleanup`` when the run ends, after the tracked processes are stopped."""
+        self._on_exit.append(cleanup)
 
     def _pin_generator(self) -> None:
         """Keep the generator (this process and its workers) off the servers' CPUs.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import statistics
 import time
 import uuid
@@ -21,6 +22,7 @@ import numpy as np
 from loadtest.abuse import abuse, churn, run_metrics
 from loadtest.bots import bots
 from loadtest.clients import ClientSpec
+from loadtest.failover import measure as measure_failover
 from loadtest.pool import WorkerError
 from loadtest.procstat import somaxconn, tcp_counters
 from loadtest.publisher import Publisher, PublishStats
@@ -38,6 +40,7 @@ from loadtest.servers import Proc, create_table, start_moto, start_ours, start_r
 from loadtest.stats import Histogram, ratio
 from loadtest.streammem import streammem
 from loadtest.targets import Target, check
+from tests.redis_cluster import start_redis_cluster
 
 Result = dict[str, Any]
 
@@ -785,7 +788,12 @@ def _summary_s(times: Sequence[float]) -> dict[str, float]:
 
 
 async def cluster(run: Run) -> Result:
-    """``fanout`` and ``presence`` over several nodes sharing Redis and DynamoDB (moto)."""
+    """``fanout`` and ``presence`` over several nodes sharing Redis and DynamoDB (moto).
+
+    The same fan-out, in the same run, over as many nodes on a six-instance
+    Redis Cluster (3 primaries, 3 replicas; ``rcluster``), and then a primary
+    of that cluster killed while events flow (``loadtest/failover.py``).
+    """
     options = run.options
     games = game_refs(options.games)
     specs, watchers = browser_specs(
@@ -811,13 +819,42 @@ async def cluster(run: Run) -> Result:
         nodes.append(run.track(node))
     run.add_server("cluster", nodes)
     run.add_server("redis", [redis_proc])
-    targets: dict[str, list[Proc]] = {"cluster": nodes}
+    run.progress.log("starting a Redis Cluster (6 redis-server instances)")
+    rcluster = await asyncio.to_thread(start_redis_cluster)
+    run.on_exit(rcluster.stop)
+    if run.server_cpus:
+        # On the servers' CPUs, as the single Redis is: both measured alike.
+        for pid in rcluster.pids():
+            os.sched_setaffinity(pid, run.server_cpus)
+    rtable = f"loadtest-{uuid.uuid4().hex[:8]}"
+    await create_table(endpoint, rtable)
+    rnodes: list[Proc] = []
+    for index in range(options.nodes):
+        run.progress.log(f"starting rcluster-node-{index + 1}")
+        node = await start_ours(
+            f"rcluster-node-{index + 1}",
+            run.secrets,
+            debounce_ms=options.debounce_ms,
+            extra_args=options.server_args,
+            cluster=(rcluster.url, endpoint, rtable),
+        )
+        rnodes.append(run.track(node))
+    run.add_server("rcluster", rnodes)
+    targets: dict[str, list[Proc]] = {"cluster": nodes, "rcluster": rnodes}
     if options.baseline:
         targets = {"baseline": [await run.start_server("baseline")], **targets}
     redis_cpu = redis_proc.cpu()
+    rcluster_cpu = rcluster.cpu_seconds()
     fan = await fanout_compare(run, targets, specs, games, watchers)
     fan["cluster"]["redis_cpu_s"] = round(redis_proc.cpu() - redis_cpu, 3)
+    fan["rcluster"]["redis_cpu_s"] = round(rcluster.cpu_seconds() - rcluster_cpu, 3)
     await run.stop_servers("baseline")
+    await run.pool.broadcast({"op": "close_all"}, limit=30)
+    run.progress.log("rcluster: kill -9 of a primary while events flow")
+    failover = await measure_failover(
+        rcluster, rnodes, run.secrets.jwt, run.secrets.publish, after=options.failover_seconds
+    )
+    await run.stop_servers("rcluster")
     # the fanout clients' leaves are committed before the observers arrive
     await run.wait_timed("settling", options.debounce_ms / 1000 + 2.0)
     redis_cpu = redis_proc.cpu()
@@ -830,13 +867,75 @@ async def cluster(run: Run) -> Result:
     if "baseline" in fan:
         servers["baseline"] = fan["baseline"]
     servers["cluster"] = {"nodes": options.nodes, "fanout": fan["cluster"], "presence": pres}
+    servers["rcluster"] = {"nodes": options.nodes, "fanout": fan["rcluster"]}
     verdicts = _fanout_verdicts(options, fan, "cluster", "cluster fanout")
+    rverdicts = _rcluster_verdicts(options, fan, failover)
     return {
         "servers": servers,
         "watchers_per_game": _mean(watchers),
-        "ratios": verdicts.get("ratios", {}),
-        "targets": verdicts["targets"] + _presence_verdicts(options, pres, "cluster presence"),
+        "ratios": {**verdicts.get("ratios", {}), **rverdicts["ratios"]},
+        "failover": failover,
+        "targets": verdicts["targets"]
+        + _presence_verdicts(options, pres, "cluster presence")
+        + rverdicts["targets"],
     }
+
+
+async def bridge(run: Run) -> Result:
+    """Today's broadcast queue (moto SQS) through two bridging nodes to sockets."""
+    from loadtest.bridge import bridge as run_bridge
+
+    return await run_bridge(run)
+
+
+def _rcluster_verdicts(options: Options, fan: dict[str, Any], failover: Result) -> Result:
+    """Redis Cluster against one Redis, measured in the same run, round by round."""
+    one, sharded = fan["cluster"], fan["rcluster"]
+    per_round = [
+        ratio(r["saturate"]["delivered_per_cpu_s"], o["saturate"]["delivered_per_cpu_s"])
+        for r, o in zip(sharded["rounds"], one["rounds"], strict=False)
+    ]
+    numbers = [v for v in per_round if not math.isnan(v)]
+    cpu_ratio = round(statistics.median(numbers), 3) if numbers else math.nan
+    ratios = {
+        "rcluster_delivered_per_cpu_s_saturated": cpu_ratio,
+        "rcluster_p99_latency_steady": ratio(
+            sharded["steady"]["latency"]["p99_ms"], one["steady"]["latency"]["p99_ms"]
+        ),
+    }
+    scenario = "cluster on Redis Cluster"
+    targets = [
+        check(
+            Target(
+                scenario,
+                "delivered per server CPU-second, Redis Cluster / one Redis",
+                "x",
+                ">=",
+                0.9,
+            ),
+            cpu_ratio,
+            options.connections,
+            note=f"saturated; median of the per-round ratios {[round(v, 3) for v in per_round]}",
+        ),
+        check(
+            Target(scenario, "p99 latency at half the saturating rate", "ms", "<=", 50.0),
+            sharded["steady"]["latency"]["p99_ms"],
+            options.connections,
+        ),
+        check(
+            Target(scenario, "kill -9 of a primary to delivery resumed", "s", "<=", 5.0),
+            failover["resumed_after_s"],
+            options.connections,
+            note=f"slowest of {failover['probes']} probes",
+        ),
+        check(
+            Target(scenario, "events lost across the failover", "", "<=", 0),
+            failover["lost"],
+            options.connections,
+            note=f"of {failover['accepted']} accepted, to {failover['probes']} probes",
+        ),
+    ]
+    return {"ratios": ratios, "targets": targets}
 
 
 SCENARIOS = {
@@ -849,5 +948,6 @@ SCENARIOS = {
     "storm": storm,
     "cluster": cluster,
     "baseline": baseline,
+    "bridge": bridge,
     "streammem": streammem,
 }

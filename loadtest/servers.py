@@ -175,6 +175,8 @@ async def start_ours(
     """Our server as a subprocess: ``python -m server serve ...``.
 
     ``cluster`` is ``(redis_url, dynamodb_endpoint, table)`` for a cluster node;
+    a ``redis_url`` naming several ``redis://`` nodes (comma-separated) is a
+    Redis Cluster, passed as ``--redis-cluster-url``.
     ``ports`` (WebSocket, HTTP) restarts a node where its clients look for it.
     """
     ws_port, http_port = ports if ports is not None else (free_port(), free_port())
@@ -205,7 +207,8 @@ async def start_ours(
     env = child_env()
     if cluster is not None:
         redis_url, endpoint, table = cluster
-        argv += ["--redis-url", redis_url, "--dynamodb-endpoint", endpoint, "--table", table]
+        flag = "--redis-cluster-url" if "," in redis_url else "--redis-url"
+        argv += [flag, redis_url, "--dynamodb-endpoint", endpoint, "--table", table]
         for key, value in FAKE_AWS.items():
             env.setdefault(key, value)
     argv += extra_args or []

@@ -8,6 +8,7 @@ import gc
 import logging
 import resource
 import signal
+import uuid
 from collections.abc import Coroutine, Sequence
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -34,8 +35,10 @@ from server.bus.memory import MemoryBus
 from server.bus.streams import MemoryStreams
 from server.config import Settings
 from server.connection import GuardedConnection, Session
+from server.dedup import Dedup, MemoryDedup, RedisDedup
 from server.ingress.http import build_app
 from server.jwks import jwks_source
+from server.lease import Lease, MemoryLease, RedisLease
 from server.limits import TokenBucket
 from server.metrics import REGISTRY
 from server.node import Coordination, Node
@@ -86,14 +89,21 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
         store = build_store(settings)
     bus: Bus
     backend: PresenceBackend
-    if settings.redis_url is not None:
+    if settings.clustered:
         from server.bus.redis_bus import RedisBus
+        from server.bus.redis_cluster_bus import RedisClusterBus
         from server.bus.redis_streams import RedisStreams
         from server.cluster import RedisPresenceBackend
 
-        redis_bus = RedisBus(settings.redis_url, name=settings.node_id)
+        redis_bus: RedisBus | RedisClusterBus
+        if settings.redis_cluster_url is not None:
+            redis_bus = RedisClusterBus(settings.redis_cluster_url, name=settings.node_id)
+            streams = RedisStreams.on_cluster(redis_bus, settings.stream_limits)
+        else:
+            assert settings.redis_url is not None
+            redis_bus = RedisBus(settings.redis_url, name=settings.node_id)
+            streams = RedisStreams(settings.redis_url, settings.stream_limits)
         cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store)
-        streams = RedisStreams(settings.redis_url, settings.stream_limits)
         node = Node(
             settings,
             store,
@@ -101,7 +111,7 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
             cluster,
             build_authenticator(settings),
             streams,
-            redis_coordination(settings, settings.redis_url),
+            redis_coordination(settings),
         )
         # After a Redis reconnect the node reloads presence and re-snapshots its
         # clients; if the cluster presumed it dead, it writes its rows again.
@@ -109,25 +119,89 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
         # Events published meanwhile are in the streams' history: fill the holes.
         redis_bus.on_reconnect(node.check_streams)
         cluster.on_presumed_dead(node.rewrite_rows)
-        return node
-    memory_bus = MemoryBus()
-    bus = memory_bus
-    backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
-    memory_streams = MemoryStreams(memory_bus, settings.stream_limits)
-    return Node(settings, store, bus, backend, build_authenticator(settings), memory_streams)
+    else:
+        memory_bus = MemoryBus()
+        bus = memory_bus
+        backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
+        memory_streams = MemoryStreams(memory_bus, settings.stream_limits)
+        node = Node(settings, store, bus, backend, build_authenticator(settings), memory_streams)
+    add_bridges(node, settings)
+    return node
 
 
-def redis_coordination(settings: Settings, url: str) -> Coordination:
-    """The services' cluster-wide parts: per-game chat locks, the chat rate, lastSeen claims."""
+def _dedup(settings: Settings) -> Dedup:
+    """Cluster-wide in Redis when clustered; this process's memory when embedded."""
+    if settings.redis_url is not None:
+        from server.bus.redis_bus import make_client
+
+        return RedisDedup(make_client(settings.redis_url, retries=1))
+    return MemoryDedup()
+
+
+def add_bridges(node: Node, settings: Settings) -> None:
+    """The AWS inputs, each only when its flag is set: nothing polls AWS otherwise."""
+    if settings.sqs_queue_url is not None:
+        from server.ingress.sqs import SqsBridge
+
+        node.services.append(
+            SqsBridge(
+                node,
+                _dedup(settings),
+                settings.sqs_queue_url,
+                region=settings.region,
+                endpoint_url=settings.sqs_endpoint,
+                pollers=settings.sqs_pollers,
+                wait_seconds=settings.sqs_wait_seconds,
+                visibility_seconds=settings.sqs_visibility_seconds,
+            )
+        )
+    if settings.notifications_from_stream:
+        from server.services.notifications import NotificationPush
+
+        node.services.append(
+            NotificationPush(
+                node,
+                node.store,
+                _lease(settings, "ap:{notifications}:leader"),
+                _dedup(settings),
+                table=settings.table,
+                region=settings.region,
+                endpoint_url=settings.dynamodb_endpoint,
+                poll_seconds=settings.stream_poll_ms / 1000,
+            )
+        )
+
+
+def _lease(settings: Settings, key: str) -> Lease:
+    """One holder in the cluster (Redis); embedded, the one process always holds it."""
+    if settings.redis_url is not None:
+        from server.bus.redis_bus import make_client
+        from server.cluster import lease_ms_for
+
+        token = f"{settings.node_id}/{uuid.uuid4().hex}"
+        client = make_client(settings.redis_url, retries=1)
+        return RedisLease(client, key, token, lease_ms_for(settings.node_heartbeat_ms))
+    return MemoryLease()
+
+
+def redis_coordination(settings: Settings) -> Coordination:
+    """The services' cluster-wide parts: per-game chat locks, the chat rate, lastSeen claims.
+
+    Their keys carry the hash tag of a game or a user, one key per script, so
+    they work unchanged on a Redis Cluster.
+    """
     from server.services.chat import RATE_WINDOW_SECONDS
     from server.services.claims import RedisClaims
     from server.services.game_lock import RedisGameLocks
     from server.services.rate_limit import RedisRateLimiter
 
+    sharded = settings.redis_cluster_url is not None
+    url = settings.redis_cluster_url if sharded else settings.redis_url
+    assert url is not None
     return Coordination(
-        RedisGameLocks(url),
-        RedisRateLimiter(url, "chat", settings.chat_rate, RATE_WINDOW_SECONDS),
-        RedisClaims(url, "last-seen"),
+        RedisGameLocks(url, cluster=sharded),
+        RedisRateLimiter(url, "chat", settings.chat_rate, RATE_WINDOW_SECONDS, cluster=sharded),
+        RedisClaims(url, "last-seen", cluster=sharded),
     )
 
 
@@ -312,7 +386,13 @@ async def serve_forever(settings: Settings) -> None:
         return
     ws_server, runner, reclaimer = started
     gc.freeze()  # what start-up allocated lives as long as the process
-    mode = "cluster node (Redis bus)" if settings.clustered else "embedded (in-process bus)"
+    mode = (
+        "cluster node (Redis Cluster bus)"
+        if settings.redis_cluster_url is not None
+        else "cluster node (Redis bus)"
+        if settings.clustered
+        else "embedded (in-process bus)"
+    )
     log.info(
         "ap-realtime %s: ws://%s:%d, internal http://%s:%d, node %s, %s store, auth %s",
         mode,

@@ -35,13 +35,8 @@ from redis.exceptions import RedisError
 from protocol.envelope import PresenceHint, encode_envelope
 from protocol.messages import PresenceDelta
 from server import cluster_lua
-from server.bus.redis_bus import (
-    PRESENCE_NAMESPACE,
-    BusUnavailable,
-    RedisBus,
-    channel_for,
-    make_client,
-)
+from server.bus.redis_bus import PRESENCE_NAMESPACE, BusUnavailable, SharedBus, channel_for
+from server.bus.redis_cluster_bus import ShardScript
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.config import Settings
 from server.metrics import REGISTRY
@@ -87,7 +82,7 @@ class RedisPresenceBackend:
 
     def __init__(
         self,
-        bus: RedisBus,
+        bus: SharedBus,
         store: Store,
         *,
         node_id: str,
@@ -103,7 +98,7 @@ class RedisPresenceBackend:
         self._lease_ms = lease_ms if lease_ms is not None else lease_ms_for(heartbeat_ms)
         # A client of its own: presence keeps working while the bus closes, and
         # a burst of game events never queues in front of a heartbeat.
-        self._client = make_client(bus.url, retries=1)
+        self._client = bus.command_client()
         self._token = f"{node_id}/{uuid.uuid4().hex}"
         self._leading = False
         self._lead_until = 0.0
@@ -123,7 +118,14 @@ class RedisPresenceBackend:
         self._committed = ns + "committed"
         self._hints = channel_for(PRESENCE_HINTS)
         self._deltas = channel_for(PRESENCE)
-        script = self._client.register_script
+
+        def script(source: str) -> Any:
+            source = cluster_lua.for_bus(source, sharded=bus.sharded)
+            if bus.sharded:
+                return ShardScript(self._client, source)
+            return self._client.register_script(source)
+
+        self._report_script = script(cluster_lua.REPORT)
         self._register_script = script(cluster_lua.REGISTER)
         self._heartbeat_script = script(cluster_lua.HEARTBEAT)
         self._deregister_script = script(cluster_lua.DEREGISTER)
@@ -137,7 +139,9 @@ class RedisPresenceBackend:
         bus.on_reconnect(self._wake.set)
 
     @classmethod
-    def from_settings(cls, settings: Settings, bus: RedisBus, store: Store) -> RedisPresenceBackend:
+    def from_settings(
+        cls, settings: Settings, bus: SharedBus, store: Store
+    ) -> RedisPresenceBackend:
         return cls(
             bus,
             store,
@@ -196,18 +200,13 @@ class RedisPresenceBackend:
     async def report(self, changes: Changes, changed_at: float) -> None:
         async with self._write_lock:
             apply_changes(self._mine, changes)
-            visible = {user: _state(state) for user, state in changes.items() if state is not None}
-            gone = [user for user, state in changes.items() if state is None]
             hint = PresenceHint(
                 node_id=self._node_id, user_ids=tuple(changes), changed_at=changed_at
             )
-            pipe = self._client.pipeline(transaction=True)
-            if visible:
-                pipe.hset(self._node_key, mapping=visible)  # type: ignore[arg-type]
-            if gone:
-                pipe.hdel(self._node_key, *gone)
-            pipe.publish(self._hints, encode_envelope(hint))
-            await pipe.execute()
+            args: list[Any] = [self._hints, encode_envelope(hint)]
+            for user, state in changes.items():
+                args += [user, _state(state)]
+            await self._report_script(keys=[self._node_key], args=args)
 
     async def online(self, user_ids: Collection[str] | None) -> UserStates:
         if user_ids is not None and not user_ids:
@@ -275,7 +274,7 @@ class RedisPresenceBackend:
     async def members(self) -> list[Member]:
         now_s, now_us = await self._client.time()
         now_ms = int(now_s) * 1000 + int(now_us) // 1000
-        beats: list[tuple[bytes, float]] = await self._client.zrange(  # type: ignore[assignment]
+        beats: list[tuple[bytes, float]] = await self._client.zrange(
             self._nodes, 0, -1, withscores=True
         )
         leader = await self._client.get(self._leader)

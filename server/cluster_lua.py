@@ -1,7 +1,9 @@
 """The Lua scripts behind cluster presence, each one atomic in Redis.
 
 All keys share the ``{presence}`` hash tag (one Redis Cluster slot), so each
-script may read and write any of them. Times come from Redis ``TIME``, never
+script may read and write any of them, and both presence channels carry the
+same tag, so on a cluster the script publishes with ``SPUBLISH`` on the shard
+that runs it (:func:`for_bus`). Times come from Redis ``TIME``, never
 from a node's clock. Hints built here are the msgpack envelopes of
 :mod:`protocol.envelope` (``{"v": 1, "k": "hint", "node": id, "users": [...]}``).
 """
@@ -22,6 +24,31 @@ local function publish_hint(channel, node, users)
   end
 end
 """.replace("ENVELOPE_VERSION", str(ENVELOPE_VERSION))
+
+
+def for_bus(script: str, *, sharded: bool) -> str:
+    """The script as it must run: ``SPUBLISH`` on a Redis Cluster, ``PUBLISH`` on one Redis.
+
+    A plain ``PUBLISH`` on a cluster is broadcast to every node; ``SPUBLISH``
+    stays on the shard of the channel's slot, which is the script's own slot.
+    """
+    return script.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'") if sharded else script
+
+
+REPORT = """
+-- A node's users changed: update its hash and hint the writer, in one step.
+-- KEYS: this node's hash.  ARGV: hints channel, hint envelope, then user, state
+-- pairs (state '1' visible, '0' invisible, '' gone).
+for i = 3, #ARGV, 2 do
+  if ARGV[i + 1] == '' then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+  else
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+return 1
+"""
 
 REGISTER = (
     _PRELUDE

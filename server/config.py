@@ -47,6 +47,7 @@ class Settings:
     region: str = "us-east-1"
     store: str = "memory"
     redis_url: str | None = None
+    redis_cluster_url: str | None = None
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
     history_size: int = 50
@@ -57,6 +58,13 @@ class Settings:
     log_format: str = "text"
     drain_seconds: float = 10.0
     drain_move_grace_ms: int = 5000
+    sqs_queue_url: str | None = None
+    sqs_endpoint: str | None = None
+    sqs_pollers: int = 4
+    sqs_wait_seconds: int = 20
+    sqs_visibility_seconds: int = 30
+    notifications_from_stream: bool = False
+    stream_poll_ms: int = 500
     max_connections: int = 30000
     max_connections_per_user: int = 20
     accept_rate: float = 2000.0
@@ -79,7 +87,7 @@ class Settings:
 
     @property
     def clustered(self) -> bool:
-        return self.redis_url is not None
+        return self.redis_url is not None or self.redis_cluster_url is not None
 
 
 _HELP: dict[str, str] = {
@@ -110,6 +118,10 @@ _HELP: dict[str, str] = {
     "region": "AWS region of the table",
     "store": "where connection rows and the presence seq are kept",
     "redis_url": "Redis URL; makes this process one node of a cluster",
+    "redis_cluster_url": (
+        "Redis Cluster seed nodes, redis://host:port[,redis://host:port...]; like "
+        "--redis-url, over a Redis Cluster with sharded pub/sub"
+    ),
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
     "history_size": "events kept per stream for recovery after a reconnect",
@@ -120,6 +132,13 @@ _HELP: dict[str, str] = {
     "log_format": "text for people, json for a log collector (one object per line)",
     "drain_seconds": "on SIGTERM, spread closing the clients (1012) over this many seconds",
     "drain_move_grace_ms": "a drained user counts as online this long, to reconnect elsewhere",
+    "sqs_queue_url": "consume today's broadcast queue (WEBSOCKET_SQS) at this URL; off by default",
+    "sqs_endpoint": "SQS endpoint URL (a local SQS or moto); default: AWS in --region",
+    "sqs_pollers": "concurrent long polls of the queue on this node, 10 messages each",
+    "sqs_wait_seconds": "long-poll wait of each ReceiveMessage (0-20)",
+    "sqs_visibility_seconds": "how long a received message stays hidden from other consumers",
+    "notifications_from_stream": "push NOTIFICATION# rows to their users from the table's stream",
+    "stream_poll_ms": "pause between GetRecords calls on a shard that had nothing new",
     "max_connections": "open sockets this node accepts; over it upgrades get HTTP 503 "
     "(3x the 10,000 a node is sized for, ~20 KiB each; 0 = no cap)",
     "max_connections_per_user": "sockets one user may hold on this node; the next is closed "
@@ -167,16 +186,20 @@ def add_arguments(parser: argparse.ArgumentParser, names: Sequence[str] = SERVE)
     """
     defaults = Settings()
     for name in names:
+        kind = _parser_type(name)
+        # A bare boolean flag means true; ``--flag false`` is accepted too.
+        extra: dict[str, Any] = {"nargs": "?", "const": True} if kind is _bool_value else {}
         default = getattr(defaults, name)
         shown = "host name" if name == "node_id" else ("none" if default is None else default)
         parser.add_argument(
             _flag(name),
             dest=name,
-            type=_parser_type(name),
+            type=kind,
             default=None,
             choices=_CHOICES.get(name),
             metavar=name.upper() if name in _CHOICES else None,
             help=_help_text(name, shown),
+            **extra,
         )
 
 
@@ -191,10 +214,21 @@ def _parser_type(name: str) -> Callable[[str], Any]:
     return str.upper if name == "log_level" else _field_type(name)
 
 
-def _field_type(name: str) -> type[Any]:
+def _bool_value(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{raw!r} is not true or false")
+
+
+def _field_type(name: str) -> Any:
     default = getattr(Settings(), name)
     if name.endswith("jwks_file"):
         return Path
+    if isinstance(default, bool):
+        return _bool_value
     if isinstance(default, bool | str) or default is None:
         return str
     return type(default)
@@ -232,9 +266,19 @@ def load(args: argparse.Namespace | None, environ: Mapping[str, str] | None = No
 def _validate(settings: Settings) -> None:
     if settings.store not in ("memory", "dynamodb"):
         raise ConfigError(f"--store must be memory or dynamodb, not {settings.store!r}")
+    if settings.redis_url is not None and settings.redis_cluster_url is not None:
+        raise ConfigError("--redis-url and --redis-cluster-url exclude each other: pick one")
+    if settings.redis_cluster_url is not None:
+        from server.bus.redis_cluster_bus import startup_nodes
+
+        try:
+            startup_nodes(settings.redis_cluster_url)
+        except ValueError as exc:
+            raise ConfigError(f"--redis-cluster-url: {exc}") from None
     if settings.clustered and settings.store == "memory":
+        flag = "--redis-url" if settings.redis_url is not None else "--redis-cluster-url"
         raise ConfigError(
-            "--redis-url needs a shared store: add --dynamodb-endpoint or --store dynamodb"
+            f"{flag} needs a shared store: add --dynamodb-endpoint or --store dynamodb"
         )
     if (settings.cognito_issuer is None) != (settings.cognito_client_id is None):
         raise ConfigError("--cognito-issuer and --cognito-client-id go together")
@@ -258,6 +302,29 @@ def _validate(settings: Settings) -> None:
             f"--dev-jwt-secret must be at least {MIN_DEV_SECRET_CHARS} characters "
             f"(try: openssl rand -hex 32)"
         )
+        raise ConfigError("--presence-debounce-ms must not be negative")
+    if not 0 <= settings.sqs_wait_seconds <= 20:
+        raise ConfigError("--sqs-wait-seconds must be from 0 to 20 (SQS's own limit)")
+    if settings.sqs_pollers < 1:
+        raise ConfigError("--sqs-pollers must be at least 1")
+    if not 1 <= settings.sqs_visibility_seconds <= 43_200:
+        raise ConfigError("--sqs-visibility-seconds must be from 1 to 43200 (SQS's own limit)")
+    if settings.notifications_from_stream and settings.store != "dynamodb":
+        raise ConfigError(
+            "--notifications-from-stream reads the table's stream and keeps its checkpoints "
+            "in the table: add --store dynamodb (or --dynamodb-endpoint)"
+        )
+    if settings.redis_cluster_url is not None and (
+        settings.sqs_queue_url is not None or settings.notifications_from_stream
+    ):
+        # Their dedup keys and lease run on one Redis today; on a cluster each node
+        # would fall back to its own memory and push events twice.
+        raise ConfigError(
+            "--sqs-queue-url and --notifications-from-stream need --redis-url (one Redis); "
+            "they do not run on --redis-cluster-url yet"
+        )
+    if settings.stream_poll_ms < 200:
+        raise ConfigError("--stream-poll-ms must be at least 200 (5 GetRecords/s per shard)")
     for name in (
         "max_connections",
         "accept_rate",

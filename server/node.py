@@ -91,6 +91,7 @@ from server.presence import (
     presence_resyncs,
 )
 from server.registry import ConnectionRegistry
+from server.services import Service
 from server.services.bots import BotService
 from server.services.chat import RATE_WINDOW_SECONDS, ChatService
 from server.services.chat_marks import ChatMarks
@@ -102,6 +103,8 @@ from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, t
 
 log = logging.getLogger(__name__)
 
+RELOAD_ATTEMPTS = 20
+"""Tries to reload presence after a bus reconnect (about 15 s of backoff in all)."""
 SYNC_PRESENCE_INTERVAL = 1.0
 """Seconds between two snapshots answering one connection's syncPresence."""
 
@@ -212,6 +215,7 @@ class Node:
         self._reports_since: float | None = None  # when the oldest unreported change happened
         self._deltas: asyncio.Queue[PresenceDelta | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self.services: list[Service] = []  # started after the node, stopped before it
         self.ready = False
         self.draining = False
         self._moving = 0  # drained sessions whose user is still reported here
@@ -271,6 +275,8 @@ class Node:
             asyncio.create_task(self._delta_loop(), name="presence-deltas"),
             asyncio.create_task(self._ttl_loop(), name="ttl-refresh"),
         ]
+        for service in self.services:
+            await service.start()
         self.ready = True
 
     async def drain(self, seconds: float) -> int:
@@ -326,6 +332,11 @@ class Node:
         Safe on a node whose start failed half-way: each part closes only what it opened.
         """
         self.ready = False
+        for service in reversed(self.services):
+            try:
+                await service.stop()
+            except Exception:
+                log.exception("stopping %s failed", type(service).__name__)
         sessions = list(self.sessions)
         for session in sessions:
             session.close(CloseCode.SERVICE_RESTART, "server restarting")
@@ -678,20 +689,24 @@ class Node:
 
     # --- events -------------------------------------------------------------
 
-    async def publish(self, message: Broadcast) -> dict[str, Position]:
+    async def publish(
+        self, message: Broadcast, *, require_cluster: bool = False
+    ) -> dict[str, Position]:
         """The one door into the cluster for every event; returns the positions taken.
 
         ``game``/``chat`` take the next position of ``game:<meta>#<id>`` (and
         reach legacy clients through the ``games`` topic in the same step); a
         ``UserEvent`` takes one in each addressed ``user:<id>``; ``test`` has no
         stream. When the bus is down, the event is delivered on this node only,
-        unpositioned, and no positions are returned.
+        unpositioned, and no positions are returned. With ``require_cluster`` it
+        raises instead (:class:`~server.bus.base.BusDown`, or the streams' error):
+        the queue bridge and the notification push then keep the event and retry.
         """
         events_published.inc()
         data = encode_envelope(message)
         event = message.event
         if isinstance(event, AdminTest):
-            await self.bus.publish(ADMIN, data)
+            await self.bus.publish(ADMIN, data, local_fallback=not require_cluster)
             return {}
         if isinstance(event, GameEvent):
             stream = game_stream(event.key)
@@ -701,7 +716,7 @@ class Node:
         try:
             positions = await self.streams.append_many(items)
         except Exception:
-            if self.bus.connected:
+            if self.bus.connected or require_cluster:
                 raise
             # Redis is away: nobody can assign positions, but this node's own
             # clients still hear of the event (they are told to refetch later).
@@ -1077,11 +1092,20 @@ class Node:
 
     async def _reload_view(self) -> None:
         presence_resyncs.inc()
-        try:
-            self.view.reset(await self.presence_backend.committed())
-        except Exception as exc:
-            log.warning("presence reload after a bus reconnect failed: %s", exc)
-            return
+        # Right after a reconnect Redis may still refuse (a cluster still
+        # electing, a client on a stale slot map): retry rather than leave the
+        # watchers without the snapshot that covers what they missed.
+        delay = 0.1
+        for attempt in range(RELOAD_ATTEMPTS):
+            try:
+                self.view.reset(await self.presence_backend.committed())
+                break
+            except Exception as exc:
+                if attempt == RELOAD_ATTEMPTS - 1:
+                    log.warning("presence reload after a bus reconnect failed: %s", exc)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
         send_frame(self.presence_watchers, self.view.snapshot_frame(), self._outbox_limit)
 
 

@@ -20,6 +20,7 @@ from server.node import Node
 from server.store.base import Store
 from server.store.dynamodb import create_table
 from tests.client import DEV_SECRET, Client
+from tests.redis_cluster import RedisCluster, redis_cluster_for_tests
 from tests.services import dynamodb_endpoint_for_tests
 
 PUBLISH_SECRET = "publish-secret-for-tests"
@@ -116,6 +117,16 @@ def dynamodb_endpoint() -> Iterator[str]:
     """A DynamoDB endpoint: ``AP_TEST_DYNAMODB_ENDPOINT`` or a moto server for the session."""
     with dynamodb_endpoint_for_tests() as endpoint:
         yield endpoint
+
+
+@pytest.fixture(scope="session")
+def shared_redis_cluster() -> Iterator[RedisCluster]:
+    """One six-instance Redis Cluster for the session's non-destructive tests.
+
+    Tests that kill or restart instances start a cluster of their own.
+    """
+    with redis_cluster_for_tests() as cluster:
+        yield cluster
 
 
 async def new_table(endpoint: str) -> str:

@@ -288,6 +288,9 @@ def redis_url_for_tests() -> Iterator[str]:
 class DynamoFaultProxy:
     """An HTTP proxy in front of a DynamoDB endpoint that injects faults on demand.
 
+    It speaks the AWS JSON protocol generically, so it also stands in front of
+    moto's SQS (``AmazonSQS.*`` targets) and DynamoDB Streams.
+
     moto never throttles and never leaves BatchWriteItem items unprocessed, so
     tests point a store at this proxy instead and arm it:
 
@@ -309,6 +312,7 @@ class DynamoFaultProxy:
         self.batch_sizes: list[int] = []
         self.unprocessed_rounds = 0
         self._failures: list[tuple[str, int]] = []
+        self._operation_failures: dict[str, list[tuple[str, int]]] = {}
         self._outage: tuple[str, int] | None = None
         self._runner: Any = None
         self._session: Any = None
@@ -321,6 +325,12 @@ class DynamoFaultProxy:
     def fail_next(self, count: int, code: str = "ThrottlingException", status: int = 400) -> None:
         self._failures.extend([(code, status)] * count)
 
+    def fail_operation(
+        self, operation: str, count: int, code: str = "InternalServerError", status: int = 500
+    ) -> None:
+        """The next ``count`` requests of one operation (``DeleteMessageBatch``) fail."""
+        self._operation_failures.setdefault(operation, []).extend([(code, status)] * count)
+
     def fail_all(self, code: str = "InternalServerError", status: int = 500) -> None:
         """An outage: every request fails until ``recover()``; the upstream keeps its data."""
         self._outage = (code, status)
@@ -328,6 +338,7 @@ class DynamoFaultProxy:
     def recover(self) -> None:
         self._outage = None
         self._failures.clear()
+        self._operation_failures.clear()
 
     def count(self, operation: str) -> int:
         return self.operations.count(operation)
@@ -373,6 +384,9 @@ class DynamoFaultProxy:
             return error(code, status, f"injected outage: {code}")
         if self._failures:
             code, status = self._failures.pop(0)
+            return error(code, status, f"injected {code}")
+        if self._operation_failures.get(operation):
+            code, status = self._operation_failures[operation].pop(0)
             return error(code, status, f"injected {code}")
         if operation == "BatchWriteItem":
             size = sum(len(r) for r in json.loads(body).get("RequestItems", {}).values())

@@ -41,6 +41,24 @@ def test_every_flag_has_an_environment_variable_and_flags_win() -> None:
     assert settings.node_id == "node-a"
 
 
+def test_the_bridges_are_off_unless_asked() -> None:
+    settings = parse([], {})
+    assert settings.sqs_queue_url is None and settings.notifications_from_stream is False
+
+
+def test_a_bare_boolean_flag_means_true_and_its_variable_takes_words() -> None:
+    store = ["--dynamodb-endpoint", "http://127.0.0.1:5000"]
+    assert parse([*store, "--notifications-from-stream"], {}).notifications_from_stream is True
+    assert (
+        parse([*store, "--notifications-from-stream", "false"], {}).notifications_from_stream
+        is False
+    )
+    on = parse(store, {"AP_NOTIFICATIONS_FROM_STREAM": "yes"})
+    assert on.notifications_from_stream is True
+    queue = parse([], {"AP_SQS_QUEUE_URL": "https://sqs.us-east-1.amazonaws.com/1/q"})
+    assert queue.sqs_queue_url == "https://sqs.us-east-1.amazonaws.com/1/q"
+
+
 def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
     settings = parse(["--dynamodb-endpoint", "http://127.0.0.1:5000"], {})
     assert settings.store == "dynamodb"
@@ -57,6 +75,17 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
         (["--redis-url", "redis://127.0.0.1:1"], {}, "shared store"),
         (["--cognito-issuer", "https://x"], {}, "go together"),
         (["--presence-debounce-ms", "-1"], {}, "negative"),
+        (["--sqs-wait-seconds", "21"], {}, "0 to 20"),
+        (["--sqs-pollers", "0"], {}, "at least 1"),
+        (["--sqs-visibility-seconds", "0"], {}, "1 to 43200"),
+        (["--notifications-from-stream"], {}, "--store dynamodb"),
+        ([], {"AP_NOTIFICATIONS_FROM_STREAM": "maybe"}, "AP_NOTIFICATIONS_FROM_STREAM"),
+        (["--dynamodb-endpoint", "http://x", "--stream-poll-ms", "50"], {}, "at least 200"),
+        (
+            ["--dynamodb-endpoint", "http://x", "--redis-cluster-url", "redis://127.0.0.1:7000"],
+            {"AP_SQS_QUEUE_URL": "http://127.0.0.1:1/q"},
+            "not run on --redis-cluster-url",
+        ),
         (["--bot-cognito-issuer", "https://bots"], {}, "go together"),
         (["--bot-scope", "s/communicate"], {}, "go together"),
         (["--bot-max-connections", "0"], {}, "at least 1"),

@@ -15,6 +15,10 @@ MessageHandler = Callable[[str, bytes], None]
 """Called with (topic, data) for each message, on the event loop, in order."""
 
 
+class BusDown(ConnectionError):
+    """The bus could not take an event for every node (raised only when asked to)."""
+
+
 class Bus(Protocol):
     @property
     def connected(self) -> bool:
@@ -25,8 +29,13 @@ class Bus(Protocol):
 
     async def close(self) -> None: ...
 
-    async def publish(self, topic: str, data: bytes) -> None:
-        """Send ``data`` to every node subscribed to ``topic``, this one included."""
+    async def publish(self, topic: str, data: bytes, *, local_fallback: bool = True) -> None:
+        """Send ``data`` to every node subscribed to ``topic``, this one included.
+
+        While the bus cannot reach the other nodes it delivers to this node only;
+        with ``local_fallback=False`` it raises :class:`BusDown` instead, for callers
+        that keep the event (a queue message) and try again later.
+        """
 
     async def subscribe(self, topics: Iterable[str]) -> None: ...
 

@@ -40,7 +40,8 @@ class MemoryBus:
         await self.unsubscribe(list(self._topics))
         self._handler = None
 
-    async def publish(self, topic: str, data: bytes) -> None:
+    async def publish(self, topic: str, data: bytes, *, local_fallback: bool = True) -> None:
+        # One process: every node is reachable, there is nothing to fall back from.
         self.publish_now(topic, data)
 
     def publish_now(self, topic: str, data: bytes) -> None:

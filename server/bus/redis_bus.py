@@ -22,7 +22,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
@@ -30,7 +30,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from server.bus.base import MessageHandler
+from server.bus.base import BusDown, MessageHandler
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.metrics import REGISTRY
 
@@ -52,6 +52,25 @@ ReconnectCallback = Callable[[], None]
 
 class BusUnavailable(ConnectionError):
     """Redis could not be reached at start-up within the allowed time."""
+
+
+class SharedBus(Protocol):
+    """What cluster presence needs from a Redis-backed bus (one Redis or a cluster)."""
+
+    url: str
+    sharded: bool
+    """True on a Redis Cluster: scripts publish with SPUBLISH."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def connected_since(self) -> float: ...
+
+    def on_reconnect(self, callback: ReconnectCallback) -> None: ...
+
+    def command_client(self) -> Any:
+        """A new command client (``redis.asyncio.Redis`` or ``RedisCluster``)."""
 
 
 def channel_for(topic: str) -> str:
@@ -92,6 +111,8 @@ def make_client(
 
 
 class RedisBus:
+    sharded = False
+
     def __init__(
         self,
         url: str,
@@ -120,6 +141,7 @@ class RedisBus:
         self._attached = asyncio.Event()
         self._connected_since = 0.0
         self._ever_attached = False
+        self._reconnected_at: float | None = None
         self._barriers: dict[bytes, asyncio.Future[bool]] = {}
         self._callbacks: list[ReconnectCallback] = []
         self._reader: asyncio.Task[None] | None = None
@@ -138,9 +160,18 @@ class RedisBus:
         """``time.monotonic()`` of the current connection; meaningless while disconnected."""
         return self._connected_since
 
+    @property
+    def reconnected_at(self) -> float | None:
+        """``time.monotonic()`` of the latest reconnect; None before the first one."""
+        return self._reconnected_at
+
     def on_reconnect(self, callback: ReconnectCallback) -> None:
         """Call ``callback`` after every reconnect (not the first connect)."""
         self._callbacks.append(callback)
+
+    def command_client(self) -> aioredis.Redis:
+        """A client of its own for a caller's commands and scripts (presence)."""
+        return make_client(self.url, retries=1)
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -173,13 +204,17 @@ class RedisBus:
 
     # --- publish and subscribe ----------------------------------------------
 
-    async def publish(self, topic: str, data: bytes) -> None:
+    async def publish(self, topic: str, data: bytes, *, local_fallback: bool = True) -> None:
         if self.connected:
             try:
                 await self._client.publish(channel_for(topic), data)
                 return
             except (RedisError, OSError) as exc:
+                if not local_fallback:
+                    raise BusDown(f"Redis publish on {topic} failed: {exc}") from exc
                 log.warning("publish on %s failed, delivering on this node only: %s", topic, exc)
+        if not local_fallback:
+            raise BusDown(f"the Redis bus is disconnected; {topic} not published")
         local_only.inc()
         if topic in self._topics:
             asyncio.get_running_loop().call_soon(self._deliver_local, topic, data)
@@ -247,6 +282,7 @@ class RedisBus:
                 failures = 0
                 if self._ever_attached:
                     reconnects.inc()
+                    self._reconnected_at = self._connected_since
                     log.info("Redis bus reconnected; %d topics subscribed", len(self._topics))
                     for callback in self._callbacks:
                         try:

@@ -15,17 +15,32 @@ at offset 1 and drops any old history), takes the next offset with
 ``HINCRBY``, appends with an exact ``MAXLEN``, refreshes both ttls and
 publishes the positioned message on each channel given. Redis runs scripts one
 at a time, so positions are assigned and published in one order for everyone.
+
+On a Redis Cluster (:meth:`RedisStreams.on_cluster`) the script runs on the
+shard of the stream's slot and publishes with ``SPUBLISH`` only on the
+channels of that slot (the stream's own: ``ap:{game:<meta>#<id>}``,
+``ap:{user:<id>}``); a channel of another slot (``ap:{games}``, for legacy
+clients) is published by the caller right after, with the position the script
+returned. A script may not reach into another slot.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
+from redis.crc import key_slot
+
+from protocol.envelope import encode_positioned
 from protocol.messages import Position
 from protocol.streams import HistoryRead
 from server.bus.redis_bus import channel_for, make_client
+from server.bus.redis_cluster_bus import RedisClusterBus, ShardScript, through_failover
 from server.bus.streams import DEFAULT_LIMITS, Append, StreamLimits, new_epoch
+from server.cluster_lua import for_bus
 
 APPEND = """
 local epoch = redis.call('HGET', KEYS[1], 'e')
@@ -77,15 +92,41 @@ def history_key(stream: str) -> str:
 
 
 class RedisStreams:
-    def __init__(self, url: str, limits: StreamLimits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        url: str,
+        limits: StreamLimits = DEFAULT_LIMITS,
+        *,
+        client: Any = None,
+        sharded: bool = False,
+    ) -> None:
         self.url = url
         self._limits = limits
-        self._client = make_client(url, retries=1)
-        self._append = self._client.register_script(APPEND)
-        self._read = self._client.register_script(READ)
+        self._sharded = sharded
+        self._failover_deadline = 10.0
+        self._client = make_client(url, retries=1) if client is None else client
+        append, read = for_bus(APPEND, sharded=sharded), READ
+        if sharded:
+            self._append: Any = ShardScript(self._client, append)
+            self._read: Any = ShardScript(self._client, read)
+        else:
+            self._append = self._client.register_script(append)
+            self._read = self._client.register_script(read)
+
+    @classmethod
+    def on_cluster(
+        cls, bus: RedisClusterBus, limits: StreamLimits = DEFAULT_LIMITS
+    ) -> RedisStreams:
+        """Streams on the Redis Cluster of ``bus``, with a command client of their own."""
+        streams = cls(bus.url, limits, client=bus.command_client(), sharded=True)
+        streams._failover_deadline = bus.publish_deadline
+        return streams
 
     async def start(self) -> None:
-        return None
+        if self._sharded:
+            # The slot map and first connections before any concurrent use: a
+            # fresh client used by many callers at once broke its own connections.
+            await self._client.initialize()
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -103,10 +144,40 @@ class RedisStreams:
 
     async def append(self, stream: str, data: bytes, topics: Sequence[str]) -> Position:
         keys = [meta_key(stream), history_key(stream)]
-        reply = await self._append(keys, self._append_args(stream, data, topics))
-        return _position(reply)
+        if not self._sharded:
+            reply = await self._append(keys, self._append_args(stream, data, topics))
+            return _position(reply)
+        slot = key_slot(keys[0].encode())
+        here = [t for t in topics if key_slot(channel_for(t).encode()) == slot]
+        elsewhere = [t for t in topics if t not in here]
+        args = self._append_args(stream, data, here)
+        deadline = time.monotonic() + self._failover_deadline
+        reply = await through_failover(lambda: self._append(keys, args), deadline)
+        position = _position(reply)
+        if elsewhere:
+            message = encode_positioned(position.epoch, position.offset, data)
+            for topic in elsewhere:
+                publish = partial(self._client.spublish, channel_for(topic), message)
+                await through_failover(publish, deadline)
+        return position
 
     async def append_many(self, items: Sequence[Append]) -> list[Position]:
+        if self._sharded:
+            # Streams are slots of their own, maybe on other shards, and no
+            # pipeline spans slots: each stream's items in order, streams at once.
+            if len(items) == 1:
+                return [await self.append(*items[0])]
+            positions: dict[int, Position] = {}
+            by_stream: dict[str, list[int]] = {}
+            for index, (stream, _, _) in enumerate(items):
+                by_stream.setdefault(stream, []).append(index)
+
+            async def in_order(indexes: list[int]) -> None:
+                for index in indexes:
+                    positions[index] = await self.append(*items[index])
+
+            await asyncio.gather(*(in_order(indexes) for indexes in by_stream.values()))
+            return [positions[index] for index in range(len(items))]
         if len(items) == 1:
             stream, data, topics = items[0]
             return [await self.append(stream, data, topics)]

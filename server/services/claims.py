@@ -12,7 +12,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from server.bus.redis_bus import make_client
+from server.bus.redis_cluster_bus import command_client_for
 
 
 class Claims(Protocol):
@@ -49,8 +49,8 @@ class RedisClaims:
     memory: a write may then happen once per node, and the store's own condition
     (missing or older than 15 minutes) still stops the extra ones."""
 
-    def __init__(self, url: str, purpose: str) -> None:
-        self._client = make_client(url, retries=1)
+    def __init__(self, url: str, purpose: str, *, cluster: bool = False) -> None:
+        self._client = command_client_for(url, cluster=cluster)
         self._purpose = purpose
         self._fallback = MemoryClaims()
 

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from server.bus.redis_bus import make_client
+from server.bus.redis_cluster_bus import command_client_for, script_for
 from server.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -172,13 +172,20 @@ class _Lease:
 class RedisGameLocks:
     """A local lock per game first (so a node sends one contender to Redis), then a lease."""
 
-    def __init__(self, url: str, *, lease_ms: int = LEASE_MS, wait: float = WAIT_SECONDS) -> None:
-        self._client = make_client(url, retries=1)
+    def __init__(
+        self,
+        url: str,
+        *,
+        lease_ms: int = LEASE_MS,
+        wait: float = WAIT_SECONDS,
+        cluster: bool = False,
+    ) -> None:
+        self._client = command_client_for(url, cluster=cluster)
         self._lease_ms = lease_ms
         self._wait = wait
         self._local = _LocalLocks()
-        self._release = self._client.register_script(_RELEASE)
-        self._extend = self._client.register_script(_EXTEND)
+        self._release = script_for(self._client, _RELEASE)
+        self._extend = script_for(self._client, _EXTEND)
 
     @contextlib.asynccontextmanager
     async def hold(self, key: str) -> AsyncIterator[Held]:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from server.bus.redis_bus import make_client
+from server.bus.redis_cluster_bus import command_client_for, script_for
 
 
 class RateLimiter(Protocol):
@@ -74,9 +74,11 @@ class RedisRateLimiter:
     """The same window for a user on every node. Fails open: when Redis is away a
     post is not refused for it, it is limited by this node's own window instead."""
 
-    def __init__(self, url: str, name: str, limit: int, window_seconds: float) -> None:
-        self._client = make_client(url, retries=1)
-        self._script = self._client.register_script(_ALLOW)
+    def __init__(
+        self, url: str, name: str, limit: int, window_seconds: float, *, cluster: bool = False
+    ) -> None:
+        self._client = command_client_for(url, cluster=cluster)
+        self._script = script_for(self._client, _ALLOW)
         self._name = name
         self._limit = limit
         self._window_ms = int(window_seconds * 1000)

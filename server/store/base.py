@@ -33,6 +33,37 @@ class ConnectionRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamReaderState:
+    """The ``wsMeta/notificationStream`` row, after a new reader took its fence."""
+
+    fence: int
+    """Higher than any earlier reader's: checkpoints written with a lower one are refused."""
+    started_at_ms: int
+    """When a reader first read this stream; records older than this are never pushed."""
+    fresh: bool
+    """True on the very first start on this stream: begin at its latest record."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardCheckpoint:
+    """One ``wsMeta/streamShard#<shardId>`` row: how far a shard of the stream was read."""
+
+    shard_id: str
+    sequence_number: str | None
+    """The last record handled; None when the shard was opened at LATEST and had none yet."""
+    done: bool
+    """The shard is closed and was read to its end."""
+
+
+STREAM_CHECKPOINT_TTL_SECONDS = 2 * 86_400
+"""A stream keeps records 24 h; a shard's checkpoint is useless a day after that."""
+
+
+class Fenced(Exception):
+    """A newer stream reader took over: this one must stop writing checkpoints."""
+
+
+@dataclass(frozen=True, slots=True)
 class BotRecord:
     """One ``pk=BOT`` row (written by the backend's ``create_bot``; read-only here)."""
 
@@ -106,6 +137,21 @@ class Store(Protocol):
 
     async def current_presence_seq(self) -> int:
         """The ``wsMeta/presenceSeq`` value, 0 when never written."""
+
+    async def take_stream_fence(self, stream_arn: str, now_ms: int) -> StreamReaderState:
+        """Become the stream's reader: add 1 to the fence; note the first start.
+
+        A different ``stream_arn`` than the stored one (the stream was re-created)
+        counts as a first start.
+        """
+
+    async def stream_checkpoints(self, stream_arn: str) -> dict[str, ShardCheckpoint]:
+        """Every shard checkpoint of this stream, by shard id."""
+
+    async def save_stream_checkpoint(
+        self, stream_arn: str, checkpoint: ShardCheckpoint, fence: int
+    ) -> None:
+        """Write a shard's checkpoint; raise :class:`Fenced` if a higher fence wrote it."""
 
     # --- game-side records (server/services) ---------------------------------
 

@@ -25,7 +25,16 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from server.metrics import REGISTRY
 from server.store import keys
-from server.store.base import BotRecord, ConnectionRecord, CurrentGame, StoreUnavailable
+from server.store.base import (
+    STREAM_CHECKPOINT_TTL_SECONDS,
+    BotRecord,
+    ConnectionRecord,
+    CurrentGame,
+    Fenced,
+    ShardCheckpoint,
+    StoreUnavailable,
+    StreamReaderState,
+)
 from server.store.dynamodb_records import GameRecordsMixin
 
 log = logging.getLogger(__name__)
@@ -498,6 +507,107 @@ class DynamoStore(GameRecordsMixin):
             ExpressionAttributeNames={"#seq": keys.SEQ},
         )
         return keys.parse_int(response.get("Item", {}).get(keys.SEQ)) or 0
+
+    # ------------------------------------------------------- stream reader records
+
+    async def take_stream_fence(self, stream_arn: str, now_ms: int) -> StreamReaderState:
+        names = {"#arn": keys.STREAM_ARN, "#st": keys.STARTED_AT, "#fence": keys.FENCE}
+        values: dict[str, Any] = {
+            ":arn": {"S": stream_arn},
+            ":now": keys.number(now_ms),
+            ":one": keys.number(1),
+        }
+        try:
+            response = await self._call(
+                "update_item",
+                passthrough=frozenset({CONDITIONAL_CHECK_FAILED}),
+                TableName=self.table,
+                Key=keys.notification_stream_key(),
+                UpdateExpression="SET #arn = :arn, #st = if_not_exists(#st, :now) ADD #fence :one",
+                ConditionExpression="attribute_not_exists(#arn) OR #arn = :arn",
+                ExpressionAttributeNames=names,
+                ExpressionAttributeValues=values,
+                ReturnValues="ALL_NEW",
+            )
+        except ClientError as exc:
+            if error_code(exc) != CONDITIONAL_CHECK_FAILED:
+                raise
+            # The stream was re-created (a new ARN): a first start on it.
+            response = await self._call(
+                "update_item",
+                TableName=self.table,
+                Key=keys.notification_stream_key(),
+                UpdateExpression="SET #arn = :arn, #st = :now ADD #fence :one",
+                ExpressionAttributeNames=names,
+                ExpressionAttributeValues=values,
+                ReturnValues="ALL_NEW",
+            )
+        attributes = response.get("Attributes", {})
+        fence = keys.parse_int(attributes.get(keys.FENCE))
+        started = keys.parse_int(attributes.get(keys.STARTED_AT))
+        if fence is None or started is None:
+            raise StoreUnavailable(
+                f"DynamoDB update_item on {keys.META_PK}/{keys.NOTIFICATION_STREAM_SK} in "
+                f"table {self.table!r} returned {attributes!r}"
+            )
+        return StreamReaderState(fence=fence, started_at_ms=started, fresh=started == now_ms)
+
+    async def stream_checkpoints(self, stream_arn: str) -> dict[str, ShardCheckpoint]:
+        params: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "#pk = :pk AND begins_with(#sk, :prefix)",
+            "ExpressionAttributeNames": {"#pk": keys.PK, "#sk": keys.SK},
+            "ExpressionAttributeValues": {
+                ":pk": {"S": keys.META_PK},
+                ":prefix": {"S": keys.STREAM_SHARD_SK_PREFIX},
+            },
+            "ConsistentRead": True,
+        }
+        found: dict[str, ShardCheckpoint] = {}
+        while True:
+            response = await self._call("query", **params)
+            for item in response.get("Items", []):
+                if item.get(keys.STREAM_ARN, {}).get("S") != stream_arn:
+                    continue  # a checkpoint of an earlier stream of this table
+                shard_id = item[keys.SK]["S"][len(keys.STREAM_SHARD_SK_PREFIX) :]
+                sequence = item.get(keys.SEQUENCE_NUMBER, {}).get("S")
+                done = bool(item.get(keys.DONE, {}).get("BOOL", False))
+                found[shard_id] = ShardCheckpoint(shard_id, sequence, done)
+            last_key = response.get("LastEvaluatedKey")
+            if not last_key:
+                return found
+            params["ExclusiveStartKey"] = last_key
+
+    async def save_stream_checkpoint(
+        self, stream_arn: str, checkpoint: ShardCheckpoint, fence: int
+    ) -> None:
+        item: keys.Item = {
+            **keys.stream_shard_key(checkpoint.shard_id),
+            keys.STREAM_ARN: {"S": stream_arn},
+            keys.SHARD_ID: {"S": checkpoint.shard_id},
+            keys.DONE: {"BOOL": checkpoint.done},
+            keys.FENCE: keys.number(fence),
+            keys.TTL: keys.number(int(time.time()) + STREAM_CHECKPOINT_TTL_SECONDS),
+        }
+        if checkpoint.sequence_number is not None:
+            item[keys.SEQUENCE_NUMBER] = {"S": checkpoint.sequence_number}
+        try:
+            await self._call(
+                "put_item",
+                passthrough=frozenset({CONDITIONAL_CHECK_FAILED}),
+                TableName=self.table,
+                Item=item,
+                ConditionExpression="attribute_not_exists(#fence) OR #fence <= :fence",
+                ExpressionAttributeNames={"#fence": keys.FENCE},
+                ExpressionAttributeValues={":fence": keys.number(fence)},
+            )
+        except ClientError as exc:
+            if error_code(exc) != CONDITIONAL_CHECK_FAILED:
+                raise
+            raise Fenced(
+                f"shard {checkpoint.shard_id} was checkpointed by a reader with a fence "
+                f"above {fence}"
+            ) from exc
 
     # ------------------------------------------------- the backend's rows (read only)
 

@@ -27,6 +27,9 @@ CONNECTIONS_PK = "wsConnections"
 META_PK = "wsMeta"
 PRESENCE_SEQ_SK = "presenceSeq"
 
+NOTIFICATION_STREAM_SK = "notificationStream"
+STREAM_SHARD_SK_PREFIX = "streamShard#"
+
 # Key attributes (both strings).
 PK = "pk"
 SK = "sk"
@@ -44,6 +47,13 @@ TTL = "ttl"
 # wsMeta/presenceSeq attribute.
 SEQ = "seq"
 
+# wsMeta/notificationStream and wsMeta/streamShard#<shardId> attributes.
+STREAM_ARN = "streamArn"
+STARTED_AT = "startedAt"
+FENCE = "fence"
+SEQUENCE_NUMBER = "sequenceNumber"
+DONE = "done"
+SHARD_ID = "shardId"
 # BOT rows (pk BOT, sk <clientId>) and their attributes.
 BOT_PK = "BOT"
 BOT_NAME = "name"
@@ -66,6 +76,16 @@ def connection_key(connection_id: str) -> Item:
 def presence_seq_key() -> Item:
     """The primary key of the presence sequence counter."""
     return {PK: {"S": META_PK}, SK: {"S": PRESENCE_SEQ_SK}}
+
+
+def notification_stream_key() -> Item:
+    """The primary key of the stream reader's row (fence, first start)."""
+    return {PK: {"S": META_PK}, SK: {"S": NOTIFICATION_STREAM_SK}}
+
+
+def stream_shard_key(shard_id: str) -> Item:
+    """The primary key of one shard's checkpoint."""
+    return {PK: {"S": META_PK}, SK: {"S": STREAM_SHARD_SK_PREFIX + shard_id}}
 
 
 def number(value: int) -> AttributeValue:

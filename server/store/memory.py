@@ -10,7 +10,15 @@ from typing import Any
 
 from protocol.chat import COMMENTS_CAP_BYTES, comment_weight
 from server.store import records as r
-from server.store.base import BotRecord, ConnectionRecord, CurrentGame, ToMove
+from server.store.base import (
+    BotRecord,
+    ConnectionRecord,
+    CurrentGame,
+    Fenced,
+    ShardCheckpoint,
+    StreamReaderState,
+    ToMove,
+)
 from server.store.records import (
     AppendOutcome,
     AppendStatus,
@@ -28,6 +36,10 @@ class MemoryStore:
     def __init__(self) -> None:
         self._connections: dict[str, ConnectionRecord] = {}
         self._presence_seq = 0
+        self._reader: tuple[str, int, int] | None = None  # stream arn, started at, fence
+        self._checkpoints: dict[
+            str, tuple[str, ShardCheckpoint, int]
+        ] = {}  # shard -> (arn, .., fence)
         # Game-side rows by (pk, sk), attributes as plain Python values.
         self._rows: dict[tuple[str, str], Row] = {}
 
@@ -92,6 +104,28 @@ class MemoryStore:
 
     async def current_presence_seq(self) -> int:
         return self._presence_seq
+
+    async def take_stream_fence(self, stream_arn: str, now_ms: int) -> StreamReaderState:
+        fence = (self._reader[2] if self._reader is not None else 0) + 1
+        fresh = self._reader is None or self._reader[0] != stream_arn
+        started = now_ms if fresh or self._reader is None else self._reader[1]
+        self._reader = (stream_arn, started, fence)
+        return StreamReaderState(fence=fence, started_at_ms=started, fresh=fresh)
+
+    async def stream_checkpoints(self, stream_arn: str) -> dict[str, ShardCheckpoint]:
+        return {
+            shard: checkpoint
+            for shard, (arn, checkpoint, _) in self._checkpoints.items()
+            if arn == stream_arn
+        }
+
+    async def save_stream_checkpoint(
+        self, stream_arn: str, checkpoint: ShardCheckpoint, fence: int
+    ) -> None:
+        held = self._checkpoints.get(checkpoint.shard_id)
+        if held is not None and held[2] > fence:
+            raise Fenced(f"shard {checkpoint.shard_id} was checkpointed with fence {held[2]}")
+        self._checkpoints[checkpoint.shard_id] = (stream_arn, checkpoint, fence)
 
     # --- the backend's BOT and CURRENTGAMES# rows (read by the bot service) ------
 

@@ -1,4 +1,10 @@
-"""Fixtures: a fresh Redis, table and three node processes for each test."""
+"""Fixtures: a fresh Redis, table and three node processes for each test.
+
+``cluster`` runs over one ``redis-server`` by default; a module that
+parametrizes it indirectly with ``"redis-cluster"`` runs the same tests over
+the session's six-instance Redis Cluster (the nodes' keys and channels are
+namespaced by nothing but the table, so each test flushes the cluster first).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ import pytest
 
 from server.store.dynamodb import create_table
 from tests.cluster.harness import REGION, Cluster, new_workdir, remove_workdir
-from tests.services import start_redis_server
+from tests.redis_cluster import RedisCluster
+from tests.services import RedisServer, start_redis_server
 
 NODES = ("n1", "n2", "n3")
 
@@ -32,22 +39,41 @@ FAILED = pytest.StashKey[bool]()
 @pytest.fixture
 async def cluster(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> AsyncIterator[Cluster]:
     """Three started nodes on one Redis of the test's own (it may restart it)."""
-    async with running_cluster(request, dynamodb_endpoint, NODES) as running:
-        yield running
+    redis: RedisServer | RedisCluster
+    if getattr(request, "param", "redis") == "redis-cluster":
+        shared: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+        shared.flush()
+        redis = shared
+    else:
+        redis = start_redis_server()
+    try:
+        async with nodes_on(redis, request, dynamodb_endpoint, NODES) as running:
+            yield running
+    finally:
+        if isinstance(redis, RedisServer):
+            redis.stop()
 
 
 @pytest.fixture
 async def pair(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> AsyncIterator[Cluster]:
     """A Redis and a table with no node started: the test starts its own (two, say)."""
-    async with running_cluster(request, dynamodb_endpoint, ()) as running:
-        yield running
+    redis = start_redis_server()
+    try:
+        async with nodes_on(redis, request, dynamodb_endpoint, ()) as running:
+            yield running
+    finally:
+        redis.stop()
 
 
 @contextlib.asynccontextmanager
-async def running_cluster(
-    request: pytest.FixtureRequest, dynamodb_endpoint: str, names: tuple[str, ...]
+async def nodes_on(
+    redis: RedisServer | RedisCluster,
+    request: pytest.FixtureRequest,
+    dynamodb_endpoint: str,
+    names: tuple[str, ...] = NODES,
 ) -> AsyncIterator[Cluster]:
-    redis = start_redis_server()
+    """The named nodes, started on ``redis`` with a table of their own; their logs if the
+    test failed."""
     table = f"cluster-{uuid.uuid4().hex[:12]}"
     await create_table(dynamodb_endpoint, table, REGION)
     workdir = new_workdir()
@@ -59,5 +85,8 @@ async def running_cluster(
         await running.close()
         if request.node.stash.get(FAILED, True) or os.environ.get("AP_CLUSTER_LOGS"):
             print(running.logs())
-        redis.stop()
         remove_workdir(workdir)
+
+
+BOTH_REDIS = pytest.mark.parametrize("cluster", ["redis", "redis-cluster"], indirect=True)
+"""Run a module's tests over one Redis and over a Redis Cluster."""

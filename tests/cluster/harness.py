@@ -1,8 +1,9 @@
 """A real cluster for tests: server nodes as separate processes, one Redis, one table.
 
 Every node is ``python -m server serve`` on 127.0.0.1 with ports of its own,
-talking to a ``redis-server`` the test started (so the test may restart it)
-and to a DynamoDB table of its own. Timings are short so that failures are
+talking to a ``redis-server`` the test started (so the test may restart it),
+or to a six-instance Redis Cluster (``--redis-cluster-url``), and to a
+DynamoDB table of its own. Timings are short so that failures are
 detected in seconds; :data:`TIMINGS` lists them.
 """
 
@@ -24,11 +25,14 @@ from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as ClusterClient
 
+from server.bus.redis_cluster_bus import make_cluster_client
 from server.cluster import lease_ms_for
 from server.store.base import ConnectionRecord
 from server.store.dynamodb import DynamoStore
 from tests.client import DEV_SECRET, Client
+from tests.redis_cluster import RedisCluster
 from tests.services import HOST, RedisServer, free_port
 
 PUBLISH_SECRET = "cluster-publish-secret"
@@ -94,7 +98,7 @@ class NodeProcess:
 
 @dataclass
 class Cluster:
-    redis: RedisServer
+    redis: RedisServer | RedisCluster
     dynamodb_endpoint: str
     table: str
     workdir: Path
@@ -124,8 +128,7 @@ class Cluster:
             HOST,
             "--http-port",
             str(http_port),
-            "--redis-url",
-            self.redis.url,
+            *self.redis_args(),
             "--dynamodb-endpoint",
             self.dynamodb_endpoint,
             "--table",
@@ -145,11 +148,32 @@ class Cluster:
         self.nodes[name] = NodeProcess(name, port, http_port, log_path, process)
         return self.nodes[name]
 
+    def redis_args(self) -> list[str]:
+        if isinstance(self.redis, RedisCluster):
+            return ["--redis-cluster-url", self.redis.url]
+        return ["--redis-url", self.redis.url]
+
+    def redis_client(self) -> aioredis.Redis | ClusterClient:
+        """A command client for the Redis (or Redis Cluster) the nodes use."""
+        if isinstance(self.redis, RedisCluster):
+            return make_cluster_client(self.redis.url)
+        return aioredis.Redis.from_url(self.redis.url)
+
     async def start(self, *names: str, within: float = 30.0) -> None:
         for name in names:
             self.spawn(name)
         for name in names:
-            await self.wait_ready(name, within)
+            try:
+                await self.wait_ready(name, within)
+            except AssertionError:
+                # A free port taken by someone else (a Redis Cluster's outgoing
+                # connections use the same range) before the node bound it: once
+                # more on fresh ports.
+                if "address already in use" not in self.nodes[name].log():
+                    raise
+                del self.nodes[name]
+                self.spawn(name)
+                await self.wait_ready(name, within)
 
     async def wait_ready(self, name: str, within: float = 30.0) -> None:
         node = self.nodes[name]
@@ -236,7 +260,7 @@ class Cluster:
 
     async def leader(self) -> str | None:
         """The node holding the presence writer lease, read from Redis."""
-        client = aioredis.Redis.from_url(self.redis.url)
+        client = self.redis_client()
         try:
             token = await client.get("ap:{presence}:leader")
         finally:

@@ -6,7 +6,10 @@ import asyncio
 from typing import Any
 
 from tests.client import Client
+from tests.cluster.conftest import BOTH_REDIS
 from tests.cluster.harness import DEBOUNCE_MS, SLACK, Cluster, eventually, wait_visible
+
+pytestmark = BOTH_REDIS
 
 
 def deltas(client: Client) -> list[dict[str, Any]]:

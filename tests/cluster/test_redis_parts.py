@@ -16,11 +16,13 @@ import pytest
 from protocol.envelope import PresenceHint, decode_envelope
 from protocol.messages import PresenceDelta
 from server.bus.redis_bus import BusUnavailable, RedisBus, channel_for
+from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.cluster import RedisPresenceBackend
 from server.presence import Changes, delta_of
 from server.store.memory import MemoryStore
 from tests.cluster.harness import eventually
+from tests.redis_cluster import RedisCluster
 from tests.services import RedisServer, free_port, start_redis_server
 
 
@@ -123,12 +125,20 @@ async def test_reconnect_callbacks_run_before_any_new_message(
         await bus.close()
 
 
-@pytest.fixture
+@pytest.fixture(params=["redis", "redis-cluster"])
 async def backends(
-    redis_server: RedisServer,
+    request: pytest.FixtureRequest,
 ) -> AsyncIterator[tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox]]:
+    """Two presence backends on one bus: over one Redis, and over a Redis Cluster."""
     store = MemoryStore()
-    bus = RedisBus(redis_server.url)
+    bus: RedisBus | RedisClusterBus
+    if request.param == "redis-cluster":
+        cluster: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+        cluster.flush()
+        bus = RedisClusterBus(cluster.url)
+    else:
+        redis_server: RedisServer = request.getfixturevalue("redis_server")
+        bus = RedisBus(redis_server.url)
     inbox = Inbox()
     await bus.start(inbox)
     await bus.subscribe([PRESENCE, PRESENCE_HINTS])

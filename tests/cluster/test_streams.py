@@ -11,7 +11,9 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from tests.client import Client
+from tests.cluster.conftest import BOTH_REDIS
 from tests.cluster.harness import SLACK, Cluster, eventually
+from tests.services import RedisServer
 
 CHESS = "game:chess#g1"
 GAMES = [("chess", "g1")]
@@ -43,6 +45,7 @@ async def watcher_on(cluster: Cluster, node: str, user: str) -> Client:
     return client
 
 
+@BOTH_REDIS
 async def test_recovery_on_another_node_while_events_flow(cluster: Cluster) -> None:
     first = await watcher_on(cluster, "n1", "alice")
     epoch = ""
@@ -69,6 +72,7 @@ async def test_recovery_on_another_node_while_events_flow(cluster: Cluster) -> N
     assert [m["payload"]["n"] for m in again.on_stream(CHESS)] == list(range(4, 61))
 
 
+@BOTH_REDIS
 async def test_three_nodes_publishing_concurrently_give_one_order(cluster: Cluster) -> None:
     watchers = [await watcher_on(cluster, node, f"w-{node}") for node in ("n1", "n2", "n3")]
     plain = [await cluster.client(node, f"p-{node}", games=GAMES) for node in ("n1", "n2", "n3")]
@@ -91,6 +95,7 @@ async def test_three_nodes_publishing_concurrently_give_one_order(cluster: Clust
         assert client.of_verb("recovered") == []
 
 
+@BOTH_REDIS
 async def test_history_past_its_size_gives_recovered_false(cluster: Cluster) -> None:
     cluster.spawn("small", history_size=5)
     await cluster.wait_ready("small")
@@ -133,6 +138,7 @@ async def test_redis_restart_without_data_gives_a_new_epoch_then_live_goes_on(
     for client in watchers.values():
         await client.wait_for(lambda c=client: len(c.offsets(CHESS)) == 3, 5 + SLACK)  # type: ignore[misc]
 
+    assert isinstance(cluster.redis, RedisServer)
     cluster.redis.restart()
     for node in ("n1", "n2", "n3"):
         await cluster.wait_ready(node, within=15)
@@ -208,6 +214,7 @@ async def test_a_user_event_reaches_every_tab_on_two_nodes_and_nobody_else(
     others = [
         await cluster.client(node, f"other-{node}", games=GAMES) for node in ("n1", "n2", "n3")
     ]
+    assert isinstance(cluster.redis, RedisServer)
     redis = aioredis.Redis.from_url(cluster.redis.url)
     try:
         # Per-user channels: only the two nodes holding bot1 hear its stream.

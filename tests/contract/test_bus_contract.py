@@ -10,7 +10,8 @@ What every bus promises (``server/bus/base.py``):
   ``close``; there is no replay of what was published before ``subscribe``.
 
 The Redis bus runs against ``AP_TEST_REDIS_URL`` or a ``redis-server`` the
-session starts; each test uses topics of its own, so tests never see each other.
+session starts, the Redis Cluster bus against the session's six-instance
+cluster; each test uses topics of its own, so tests never see each other.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import pytest
 
 from server.bus import Bus, MemoryBus, MemoryHub
 from server.bus.redis_bus import RedisBus
+from server.bus.redis_cluster_bus import RedisClusterBus
+from tests.redis_cluster import RedisCluster
 from tests.services import redis_url_for_tests
 
 
@@ -61,7 +64,7 @@ def redis_url() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def new_bus(request: pytest.FixtureRequest) -> AsyncIterator[BusFactory]:
     """Makes started buses that share one backbone (a MemoryHub, or one Redis)."""
     receivers: list[Receiver] = []
@@ -71,6 +74,9 @@ async def new_bus(request: pytest.FixtureRequest) -> AsyncIterator[BusFactory]:
         bus: Bus
         if request.param == "memory":
             bus = MemoryBus(hub)
+        elif request.param == "redis-cluster":
+            cluster: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+            bus = RedisClusterBus(cluster.url)
         else:
             bus = RedisBus(request.getfixturevalue("redis_url"))
         receiver = Receiver(bus)

@@ -22,6 +22,7 @@ from server.services.game_lock import (
     lock_key,
 )
 from server.services.rate_limit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
+from tests.redis_cluster import RedisCluster
 from tests.services import free_port, redis_url_for_tests
 
 
@@ -32,7 +33,16 @@ def coordination_redis() -> Iterator[str]:
 
 
 def kinds() -> pytest.MarkDecorator:
-    return pytest.mark.parametrize("kind", ["memory", "redis"])
+    return pytest.mark.parametrize("kind", ["memory", "redis", "redis-cluster"])
+
+
+def redis_for(kind: str, request: pytest.FixtureRequest) -> tuple[str, bool]:
+    """The URL and whether it is a Redis Cluster (the session's shared one)."""
+    if kind == "redis-cluster":
+        cluster: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+        return cluster.url, True
+    url: str = request.getfixturevalue("coordination_redis")
+    return url, False
 
 
 async def pair_of_locks(
@@ -41,8 +51,11 @@ async def pair_of_locks(
     if kind == "memory":
         locks = MemoryGameLocks(wait=wait)
         return locks, locks
-    url = request.getfixturevalue("coordination_redis")
-    return RedisGameLocks(url, wait=wait), RedisGameLocks(url, wait=wait)
+    url, sharded = redis_for(kind, request)
+    return (
+        RedisGameLocks(url, wait=wait, cluster=sharded),
+        RedisGameLocks(url, wait=wait, cluster=sharded),
+    )
 
 
 @pytest.fixture
@@ -118,11 +131,11 @@ async def pair_of_limiters(
     if kind == "memory":
         limiter = MemoryRateLimiter(limit, window)
         return limiter, limiter
-    url = request.getfixturevalue("coordination_redis")
+    url, sharded = redis_for(kind, request)
     name = uuid.uuid4().hex[:6]
     return (
-        RedisRateLimiter(url, name, limit, window),
-        RedisRateLimiter(url, name, limit, window),
+        RedisRateLimiter(url, name, limit, window, cluster=sharded),
+        RedisRateLimiter(url, name, limit, window, cluster=sharded),
     )
 
 
@@ -148,15 +161,16 @@ async def claims_pair(
         claims = MemoryClaims()
         yield claims, claims
         return
-    url = request.getfixturevalue("coordination_redis")
+    url, sharded = redis_for(request.param, request)
     purpose = uuid.uuid4().hex[:6]
-    first, second = RedisClaims(url, purpose), RedisClaims(url, purpose)
+    first = RedisClaims(url, purpose, cluster=sharded)
+    second = RedisClaims(url, purpose, cluster=sharded)
     yield first, second
     await first.close()
     await second.close()
 
 
-@pytest.mark.parametrize("claims_pair", ["memory", "redis"], indirect=True)
+@pytest.mark.parametrize("claims_pair", ["memory", "redis", "redis-cluster"], indirect=True)
 async def test_a_claim_goes_to_the_first_asker_until_it_expires(
     claims_pair: tuple[Claims, Claims],
 ) -> None:

@@ -10,8 +10,11 @@ import asyncio
 import dataclasses
 import time
 
+import pytest
+
 from protocol.errors import MAX_GAME_FIELD_CHARS, MAX_WATCHED_GAMES
 from server.store import ConnectionRecord, Store, ttl_from_now
+from server.store.base import Fenced, ShardCheckpoint
 
 
 def record(
@@ -288,3 +291,47 @@ async def test_presence_seq_is_independent_of_connection_rows(store: Store) -> N
     assert await store.delete_endpoint_connections("node-a") == 3
     assert await store.list_connections() == []
     assert await store.current_presence_seq() == 1
+
+
+# --- the stream reader's records -------------------------------------------------
+
+ARN = "arn:aws:dynamodb:us-east-1:123456789012:table/t/stream/2026-01-01T00:00:00.000"
+
+
+async def test_the_first_reader_of_a_stream_is_fresh_and_later_ones_are_not(store: Store) -> None:
+    first = await store.take_stream_fence(ARN, 1_000)
+    assert first.fresh and first.started_at_ms == 1_000
+    second = await store.take_stream_fence(ARN, 2_000)
+    assert not second.fresh and second.started_at_ms == 1_000
+    assert second.fence > first.fence
+
+
+async def test_a_recreated_stream_starts_fresh_with_a_higher_fence(store: Store) -> None:
+    old = await store.take_stream_fence(ARN, 1_000)
+    new = await store.take_stream_fence(ARN + "-new", 5_000)
+    assert new.fresh and new.started_at_ms == 5_000 and new.fence > old.fence
+
+
+async def test_checkpoints_round_trip_per_stream(store: Store) -> None:
+    fence = (await store.take_stream_fence(ARN, 1)).fence
+    await store.save_stream_checkpoint(ARN, ShardCheckpoint("shard-a", "100", False), fence)
+    await store.save_stream_checkpoint(ARN, ShardCheckpoint("shard-b", None, True), fence)
+    await store.save_stream_checkpoint(ARN + "-old", ShardCheckpoint("shard-c", "7", False), fence)
+    assert await store.stream_checkpoints(ARN) == {
+        "shard-a": ShardCheckpoint("shard-a", "100", False),
+        "shard-b": ShardCheckpoint("shard-b", None, True),
+    }
+    await store.save_stream_checkpoint(ARN, ShardCheckpoint("shard-a", "250", False), fence)
+    assert (await store.stream_checkpoints(ARN))["shard-a"].sequence_number == "250"
+
+
+async def test_a_stale_reader_cannot_overwrite_a_newer_readers_checkpoint(store: Store) -> None:
+    stale = (await store.take_stream_fence(ARN, 1)).fence
+    fresh = (await store.take_stream_fence(ARN, 2)).fence
+    await store.save_stream_checkpoint(ARN, ShardCheckpoint("shard-a", "300", False), fresh)
+    with pytest.raises(Fenced):
+        await store.save_stream_checkpoint(ARN, ShardCheckpoint("shard-a", "200", False), stale)
+    assert (await store.stream_checkpoints(ARN))["shard-a"].sequence_number == "300"
+    # A shard the new reader has not written yet still takes the stale reader's progress.
+    await store.save_stream_checkpoint(ARN, ShardCheckpoint("shard-b", "5", False), stale)
+    assert (await store.stream_checkpoints(ARN))["shard-b"].sequence_number == "5"

@@ -1,4 +1,5 @@
-"""The Streams contract: one suite over MemoryStreams and RedisStreams.
+"""The Streams contract: one suite over MemoryStreams and RedisStreams (one Redis
+and a Redis Cluster).
 
 What every implementation promises (``server/bus/streams.py``):
 
@@ -26,9 +27,11 @@ import pytest
 from protocol.envelope import decode_positioned
 from server.bus import Bus, MemoryBus, MemoryHub
 from server.bus.redis_bus import RedisBus
+from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.redis_streams import RedisStreams
 from server.bus.streams import MemoryStreams, StreamLimits, Streams
 from tests.contract.test_bus_contract import Receiver
+from tests.redis_cluster import RedisCluster
 from tests.services import redis_url_for_tests
 
 
@@ -49,7 +52,7 @@ def redis_url() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def new_pair(request: pytest.FixtureRequest) -> AsyncIterator[PairFactory]:
     closers: list[Callable[[], Awaitable[None]]] = []
     hub = MemoryHub()
@@ -63,6 +66,11 @@ async def new_pair(request: pytest.FixtureRequest) -> AsyncIterator[PairFactory]
             streams = MemoryStreams(bus, limits)
             await bus.start(lambda topic, data: None)
             closers.append(bus.close)
+        elif request.param == "redis-cluster":
+            cluster: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+            cluster_bus = RedisClusterBus(cluster.url)
+            listener = cluster_bus
+            streams = RedisStreams.on_cluster(cluster_bus, limits)
         else:
             url = request.getfixturevalue("redis_url")
             listener = RedisBus(url)

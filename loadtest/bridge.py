@@ -1,0 +1,565 @@
+"""The ``bridge`` scenario: today's broadcast queue, through the queue bridge, to sockets.
+
+Two cluster nodes run ``--sqs-queue-url`` on one moto SQS queue (competing
+consumers) with one Redis and one table. ``W`` watchers, half on each node,
+watch ``W / 2`` games, so every game has one watcher on each node. A sender
+process puts ``R`` messages a second into the queue with ``SendMessageBatch``
+(10 per call), today's body: ``{"verb":"game","payload":{meta,id,ts,k},"exclude":[]}``
+where ``ts`` is the *scheduled* send time (ns) and ``k`` the event's number.
+
+- **steady**: both nodes live. Queue -> socket latency per delivery; lost and
+  duplicated per (watcher, event).
+- **kill**: the same, and one node is killed with SIGKILL halfway through. What it
+  had received and not deleted comes back after the visibility timeout and the
+  other node publishes it. Lost and duplicated are counted on the survivor's
+  watchers (the killed node's clients are gone with it).
+
+Client processes use the ``websockets`` client and record ``(k, receive ns)`` per
+frame, so every event is accounted for exactly. CPU of moto, Redis and each node
+is read from ``/proc`` per phase, to show where the time goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import random
+import signal
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loadtest.runner import Run
+from loadtest.servers import FAKE_AWS, Proc, create_table, start_moto, start_ours, start_redis
+from loadtest.targets import Target, check
+
+Result = dict[str, Any]
+Conn = multiprocessing.connection.Connection
+
+VISIBILITY_SECONDS = 5
+"""The nodes' ``--sqs-visibility-seconds``: how long a killed node's messages stay hidden."""
+
+
+@dataclass(frozen=True)
+class Watcher:
+    user: str
+    node: int
+    game: int
+
+
+# --- client processes ---------------------------------------------------------------
+
+
+def _client_main(conn: Conn, secret: str, watchers: list[tuple[str, str, int]]) -> None:
+    """A process holding ``watchers`` (user, ws url, game): records (k, received ns)."""
+    import uvloop
+
+    uvloop.run(_clients(conn, secret, watchers))
+
+
+async def _clients(conn: Conn, secret: str, watchers: list[tuple[str, str, int]]) -> None:
+    import jwt
+    from websockets.asyncio.client import connect
+
+    got: list[list[tuple[int, int, int]]] = [[] for _ in watchers]
+    opened = settled = 0
+    all_settled = asyncio.Event()
+
+    def settle() -> None:
+        nonlocal settled
+        settled += 1
+        if settled == len(watchers):
+            all_settled.set()
+
+    async def one(index: int, user: str, url: str, game: int) -> None:
+        nonlocal opened
+        counted = False
+        token = jwt.encode(
+            {"sub": user, "iat": int(time.time()), "exp": int(time.time()) + 86400},
+            secret,
+            algorithm="HS256",
+        )
+        try:
+            async with connect(url, compression=None, open_timeout=30, max_queue=None) as ws:
+                games = [{"meta": "bridge", "id": f"g{game}"}]
+                await ws.send(
+                    json.dumps(
+                        {
+                            "action": "subscribe",
+                            "token": token,
+                            "watchVersion": 1,
+                            "wantsPresence": False,
+                            "games": games,
+                        }
+                    )
+                )
+                await ws.send(json.dumps({"action": "watchGames", "games": games}))
+                opened += 1
+                counted = True
+                settle()
+                record = got[index].append
+                async for raw in ws:
+                    now = time.time_ns()
+                    if '"verb":"game"' not in raw:
+                        continue
+                    frame = json.loads(raw)
+                    payload = frame["payload"]
+                    record((payload["k"], now - payload["ts"], frame.get("offset", 0)))
+        except Exception:
+            if not counted:  # never opened: the parent must not wait for it
+                settle()
+
+    loop = asyncio.get_running_loop()
+    tasks = []
+    for index, (user, url, game) in enumerate(watchers):
+        tasks.append(asyncio.create_task(one(index, user, url, game)))
+        if index % 50 == 49:
+            await asyncio.sleep(0.02)
+    await all_settled.wait()
+    conn.send(("ready", opened))
+    while True:
+        command = await loop.run_in_executor(None, conn.recv)
+        if command == "collect":
+            conn.send(("data", got))
+            for kept in got:  # in place: each client appends to its own list object
+                kept.clear()
+        elif command == "stop":
+            break
+    for task in tasks:
+        task.cancel()
+
+
+# --- the sender process ---------------------------------------------------------------
+
+
+def _sender_main(
+    conn: Conn, endpoint: str, queue_url: str, games: int, rate: float, duration: float, first: int
+) -> None:
+    import uvloop
+
+    uvloop.run(_send(conn, endpoint, queue_url, games, rate, duration, first))
+
+
+async def _send(
+    conn: Conn, endpoint: str, queue_url: str, games: int, rate: float, duration: float, first: int
+) -> None:
+    import aioboto3
+    from botocore.config import Config
+
+    total = max(1, int(rate * duration))
+    pick = random.Random(first).randrange
+    plan = [pick(games) for _ in range(total)]
+    batches: asyncio.Queue[list[tuple[int, int]] | None] = asyncio.Queue()
+    sent, failed, late = 0, 0, 0
+    sent_keys: list[int] = []
+    call_ms: list[float] = []
+    # Whatever is not sent by then is dropped unsent (and not expected): a queue that
+    # cannot take the rate shows as a low send rate, not as a run that never ends.
+    hard_end_ns = time.time_ns() + int((duration * 2 + 10) * 1e9)
+    config = Config(max_pool_connections=32, retries={"mode": "standard", "max_attempts": 5})
+    session = aioboto3.Session()
+    async with session.client(
+        "sqs", endpoint_url=endpoint, region_name="us-east-1", config=config
+    ) as sqs:
+        # Credentials, endpoint and first connections are set up before the clock starts.
+        await asyncio.gather(*(sqs.get_queue_attributes(QueueUrl=queue_url) for _ in range(24)))
+
+        async def sender() -> None:
+            nonlocal sent, failed, late
+            while True:
+                batch = await batches.get()
+                if batch is None:
+                    return
+                stamp = time.time_ns()
+                if stamp > hard_end_ns:
+                    continue
+                if stamp - batch[0][1] > 50_000_000:
+                    late += len(batch)
+                entries = []
+                for i, (k, _scheduled) in enumerate(batch):
+                    ts = stamp  # queue -> socket: from the moment it is sent to the queue
+                    payload = {"meta": "bridge", "id": f"g{plan[k - first]}", "ts": ts, "k": k}
+                    body = {"verb": "game", "payload": payload, "exclude": []}
+                    entries.append({"Id": str(i), "MessageBody": json.dumps(body)})
+                try:
+                    response = await sqs.send_message_batch(QueueUrl=queue_url, Entries=entries)
+                except Exception:
+                    failed += len(entries)
+                    continue
+                call_ms.append((time.time_ns() - stamp) / 1e6)
+                refused = {int(entry["Id"]) for entry in response.get("Failed", [])}
+                failed += len(refused)
+                for i, (k, _) in enumerate(batch):
+                    if i not in refused:
+                        sent += 1
+                        sent_keys.append(k)
+
+        workers = [asyncio.create_task(sender()) for _ in range(24)]
+        start_ns = time.time_ns()
+        scheduled = 0
+        pending: list[tuple[int, int]] = []
+        while scheduled < total:
+            now = time.time_ns()
+            due = min(total, int((now - start_ns) * rate / 1e9) + 1)
+            while scheduled < due:
+                pending.append((first + scheduled, start_ns + int(scheduled * 1e9 / rate)))
+                scheduled += 1
+                if len(pending) == 10:
+                    batches.put_nowait(pending)
+                    pending = []
+            # A batch is sent full, or once its oldest message waited 5 ms (as a
+            # backend with steady traffic would not batch across seconds).
+            if pending and now - pending[0][1] > 5_000_000:
+                batches.put_nowait(pending)
+                pending = []
+            await asyncio.sleep(0.002)
+        if pending:
+            batches.put_nowait(pending)
+        for _ in workers:
+            batches.put_nowait(None)
+        await asyncio.gather(*workers)
+        ended = time.time_ns()
+    calls = sorted(call_ms) or [math.nan]
+    conn.send(
+        {
+            "plan": plan,
+            "sent_keys": sent_keys,
+            "send_call_ms": {
+                "p50": round(calls[len(calls) // 2], 2),
+                "p99": round(calls[int(len(calls) * 0.99)], 2),
+            },
+            "sent": sent,
+            "failed": failed,
+            "late": late,
+            "wall_s": (ended - start_ns) / 1e9,
+        }
+    )
+
+
+# --- the scenario ----------------------------------------------------------------------
+
+
+def _ctx() -> Any:
+    return multiprocessing.get_context("spawn")
+
+
+async def _recv(conn: Conn, limit: float) -> Any:
+    loop = asyncio.get_running_loop()
+    if not await loop.run_in_executor(None, conn.poll, limit):
+        raise TimeoutError("a loadtest process did not answer")
+    return conn.recv()
+
+
+async def bridge(run: Run) -> Result:
+    options = run.options
+    for name, value in FAKE_AWS.items():  # moto takes any; the sender process inherits them
+        os.environ.setdefault(name, value)
+    rate = options.rate if options.rate is not None else 2000.0
+    watchers_count = max(2, options.connections - options.connections % 2)
+    games = watchers_count // 2
+    run.progress.log("starting redis-server and moto_server")
+    redis_proc, redis_url = await start_redis()
+    run.track(redis_proc)
+    moto_proc, endpoint = await start_moto()
+    run.track(moto_proc)
+    table = f"loadtest-{uuid.uuid4().hex[:8]}"
+    await create_table(endpoint, table)
+    queue_url = await _create_queue(endpoint)
+    # Moto alone first, with no consumer: how much of the rate can the queue take here?
+    moto_alone = await _moto_alone(run, endpoint, rate, min(5.0, options.duration))
+    nodes: list[Proc] = []
+    for index in range(2):
+        run.progress.log(f"starting bridge node-{index + 1}")
+        node = await start_ours(
+            f"node-{index + 1}",
+            run.secrets,
+            debounce_ms=options.debounce_ms,
+            extra_args=[
+                "--sqs-queue-url",
+                queue_url,
+                "--sqs-endpoint",
+                endpoint,
+                "--sqs-visibility-seconds",
+                str(VISIBILITY_SECONDS),
+                "--sqs-wait-seconds",
+                "2",
+                *options.server_args,
+            ],
+            cluster=(redis_url, endpoint, table),
+        )
+        nodes.append(run.track(node))
+    run.add_server("cluster", nodes)
+    run.add_server("redis", [redis_proc])
+    run.add_server("moto", [moto_proc])
+    watchers = [Watcher(f"w{i}", i % 2, i // 2) for i in range(watchers_count)]
+    clients = await _start_clients(run, nodes, watchers)
+    try:
+        phases: dict[str, Result] = {}
+        first = 0
+        for phase in ("steady", "kill"):
+            run.progress.log(f"bridge {phase}: {rate:g} msg/s for {options.duration:g} s")
+            phases[phase] = await _phase(
+                run,
+                phase,
+                endpoint,
+                queue_url,
+                nodes,
+                moto_proc,
+                redis_proc,
+                clients,
+                watchers,
+                games,
+                rate,
+                first,
+            )
+            first += 10_000_000
+    finally:
+        for conn, process in clients:
+            with contextlib.suppress(Exception):
+                conn.send("stop")
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+        await run.stop_servers("cluster", "redis", "moto")
+    steady, kill = phases["steady"], phases["kill"]
+
+    def note(phase: Result) -> str:
+        rate_note = (
+            f"sent {phase['send_rate']:g} of {phase['rate_asked']:g} msg/s asked"
+            if phase["send_rate"] < 0.95 * phase["rate_asked"]
+            else ""
+        )
+        drain_note = "" if phase["drained"] else f"queue not drained: {phase['queue_left']} left"
+        return "; ".join(n for n in (rate_note, drain_note) if n)
+
+    lost_ok = Target("bridge", "lost events", "", "<=", 0)
+    dup_ok = Target("bridge", "duplicated events", "", "<=", 0)
+    targets = [
+        check(
+            Target("bridge", "queue -> socket p99 (both nodes live)", "ms", "<=", 250.0),
+            steady["latency"]["p99_ms"],
+            watchers_count,
+            note(steady),
+        ),
+        check(lost_ok, steady["lost"], 0, note(steady)),
+        check(dup_ok, steady["dup"], 0, note(steady)),
+        check(lost_ok, kill["lost"], 0, "; ".join(filter(None, ["one node killed", note(kill)]))),
+        check(dup_ok, kill["dup"], 0, "; ".join(filter(None, ["one node killed", note(kill)]))),
+    ]
+    return {
+        "servers": {
+            "bridge": {
+                "watchers": watchers_count,
+                "games": games,
+                "moto_alone": moto_alone,
+                **phases,
+            }
+        },
+        "targets": targets,
+    }
+
+
+async def _moto_alone(run: Run, endpoint: str, rate: float, duration: float) -> Result:
+    """The sender against a queue nobody reads: the queue's own capacity on this machine."""
+    queue_url = await _create_queue(endpoint)
+    run.progress.log(f"moto alone: {rate:g} msg/s for {duration:g} s into a queue nobody reads")
+    parent, child = _ctx().Pipe()
+    sender = _ctx().Process(
+        target=_sender_main, args=(child, endpoint, queue_url, 1, rate, duration, 0)
+    )
+    sender.start()
+    sent = await _recv(parent, duration * 2 + 60)
+    sender.join(timeout=10)
+    return {
+        "rate_asked": rate,
+        "send_rate": round(sent["sent"] / max(1e-9, sent["wall_s"]), 1),
+        "sent": sent["sent"],
+        "send_call_ms": sent["send_call_ms"],
+    }
+
+
+async def _create_queue(endpoint: str) -> str:
+    import aioboto3
+
+    session = aioboto3.Session()
+    async with session.client("sqs", endpoint_url=endpoint, region_name="us-east-1") as sqs:
+        response = await sqs.create_queue(
+            QueueName=f"abstractplay-ws-messages-loadtest-{uuid.uuid4().hex[:8]}",
+            Attributes={"VisibilityTimeout": "900", "MessageRetentionPeriod": "86400"},
+        )
+        return str(response["QueueUrl"])
+
+
+async def _start_clients(
+    run: Run, nodes: Sequence[Proc], watchers: Sequence[Watcher]
+) -> list[tuple[Conn, Any]]:
+    per_process = 1000
+    ctx = _ctx()
+    clients: list[tuple[Conn, Any]] = []
+    for start in range(0, len(watchers), per_process):
+        chunk = [
+            (w.user, f"ws://127.0.0.1:{nodes[w.node].ws_port}/", w.game)
+            for w in watchers[start : start + per_process]
+        ]
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_client_main, args=(child, run.secrets.jwt, chunk))
+        process.start()
+        clients.append((parent, process))
+    for conn, _ in clients:
+        kind, _opened = await _recv(conn, 120)
+        assert kind == "ready", kind
+    run.progress.log(f"{len(watchers)} watchers subscribed")
+    await asyncio.sleep(1.0)  # the watchGames repeats land, every node subscribed its games
+    return clients
+
+
+async def _phase(
+    run: Run,
+    phase: str,
+    endpoint: str,
+    queue_url: str,
+    nodes: Sequence[Proc],
+    moto: Proc,
+    redis: Proc,
+    clients: Sequence[tuple[Conn, Any]],
+    watchers: Sequence[Watcher],
+    games: int,
+    rate: float,
+    first: int,
+) -> Result:
+    duration = run.options.duration
+    cpu_before = {p.name: p.cpu() for p in [*nodes, moto, redis] if p.running()}
+    parent, child = _ctx().Pipe()
+    sender = _ctx().Process(
+        target=_sender_main, args=(child, endpoint, queue_url, games, rate, duration, first)
+    )
+    started = time.monotonic()
+    sender.start()
+    killed: int | None = None
+    if phase == "kill":
+        await asyncio.sleep(duration / 2)
+        victim = nodes[0]
+        victim.process.send_signal(signal.SIGKILL)
+        victim.process.wait(timeout=10)
+        killed = 0
+        run.progress.log(f"killed {victim.name} at {time.monotonic() - started:.1f} s")
+    sent = await _recv(parent, duration * 2 + 60)
+    sender.join(timeout=10)
+    send_wall = time.monotonic() - started
+    # Drain: everything sent must come through; a killed node's share after the timeout.
+    drain_limit = VISIBILITY_SECONDS * 4 + 30
+    queue_left = await _wait_drained(endpoint, queue_url, drain_limit)
+    await asyncio.sleep(1.5)
+    wall = time.monotonic() - started
+    cpu = {
+        name: round(p.cpu() - cpu_before[name], 3)
+        for p in [*nodes, moto, redis]
+        if (name := p.name) in cpu_before and p.running()
+    }
+    received: list[list[tuple[int, int, int]]] = []
+    for conn, _ in clients:
+        conn.send("collect")
+    for conn, _ in clients:
+        _kind, data = await _recv(conn, 60)
+        received += data
+    plan: list[int] = sent["plan"]
+    expected_by_game: dict[int, set[int]] = {}
+    for k in sent["sent_keys"]:  # what SQS accepted; an unsent message is no one's loss
+        expected_by_game.setdefault(plan[k - first], set()).add(k)
+    lost = dup = 0
+    latencies: list[int] = []
+    counted = 0
+    dup_samples: list[dict[str, Any]] = []
+    for watcher, got in zip(watchers, received, strict=True):
+        if killed is not None and watcher.node == killed:
+            continue  # its socket died with the node
+        counted += 1
+        keys = [k for k, _, _ in got]
+        unique = set(keys)
+        expected = expected_by_game.get(watcher.game, set())
+        lost += len(expected - unique)
+        dup += len(keys) - len(unique)
+        latencies += [ns for _, ns, _ in got]
+        if len(keys) != len(unique) and len(dup_samples) < 10:
+            # Same offset twice: delivered twice by a node; two offsets: published twice.
+            offsets: dict[int, list[int]] = {}
+            for k, _, offset in got:
+                offsets.setdefault(k, []).append(offset)
+            dup_samples += [
+                {"watcher": watcher.user, "node": watcher.node, "k": k, "offsets": o}
+                for k, o in offsets.items()
+                if len(o) > 1
+            ]
+    values = np.asarray(latencies, dtype=np.float64) / 1e6 if latencies else np.asarray([math.nan])
+    p50, p90, p99, p999 = (
+        float(v) for v in np.percentile(values, [50, 90, 99, 99.9], method="higher")
+    )
+    return {
+        "rate_asked": rate,
+        "sent": sent["sent"],
+        "send_failed": sent["failed"],
+        "send_rate": round(sent["sent"] / max(1e-9, sent["wall_s"]), 1),
+        "sent_late": sent["late"],
+        "send_call_ms": sent["send_call_ms"],
+        "watchers_counted": counted,
+        "deliveries": len(latencies),
+        # Sent, never delivered, and no longer in the queue: only then is it lost.
+        # Messages still queued at the end are "not yet delivered" (a queue slower
+        # than the rate), counted apart.
+        "lost": max(0, lost - queue_left * (1 if killed is not None else 2)),
+        "undelivered": lost,
+        "queue_left": queue_left,
+        "drained": queue_left == 0,
+        "dup": dup,
+        "node_cpu_ms_per_message": round(
+            1000 * sum(v for k, v in cpu.items() if k.startswith("node")) / max(1, sent["sent"]),
+            3,
+        ),
+        "moto_cpu_ms_per_message": round(1000 * cpu.get("moto", 0.0) / max(1, sent["sent"]), 3),
+        "latency": {
+            "p50_ms": round(p50, 2),
+            "p90_ms": round(p90, 2),
+            "p99_ms": round(p99, 2),
+            "p999_ms": round(p999, 2),
+            "max_ms": round(float(values.max()), 2),
+        },
+        "send_wall_s": round(send_wall, 2),
+        "wall_s": round(wall, 2),
+        "cpu_s": cpu,
+        "cpu_cores": {name: round(value / wall, 3) for name, value in cpu.items()},
+        "killed": nodes[killed].name if killed is not None else None,
+        "duplicates_sample": dup_samples[:10],
+    }
+
+
+async def _wait_drained(endpoint: str, queue_url: str, limit: float) -> int:
+    """Wait until the queue is empty; return what is left in it when the time is up."""
+    import aioboto3
+
+    session = aioboto3.Session()
+    deadline = time.monotonic() + limit
+    async with session.client("sqs", endpoint_url=endpoint, region_name="us-east-1") as sqs:
+        while time.monotonic() < deadline:
+            attributes = (
+                await sqs.get_queue_attributes(
+                    QueueUrl=queue_url,
+                    AttributeNames=[
+                        "ApproximateNumberOfMessages",
+                        "ApproximateNumberOfMessagesNotVisible",
+                    ],
+                )
+            )["Attributes"]
+            left = sum(int(v) for v in attributes.values())
+            if left == 0:
+                return 0
+            await asyncio.sleep(0.5)
+    return left

@@ -1,0 +1,156 @@
+"""The queue bridge on two node processes: competing consumers, a kill, a Redis restart.
+
+Both nodes poll one moto queue; their clients must see every message exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import boto3
+import pytest
+
+from server.store.dynamodb import create_table
+from tests.client import Client
+from tests.cluster.conftest import FAILED
+from tests.cluster.harness import REGION, Cluster, eventually, new_workdir, remove_workdir
+from tests.services import RedisServer, start_redis_server
+
+NODES = ("b1", "b2")
+
+
+def sqs(endpoint: str) -> Any:
+    return boto3.client("sqs", endpoint_url=endpoint, region_name=REGION)
+
+
+def send_batch(endpoint: str, queue_url: str, bodies: list[dict[str, Any]]) -> None:
+    client = sqs(endpoint)
+    for start in range(0, len(bodies), 10):
+        chunk = bodies[start : start + 10]
+        entries = [{"Id": str(i), "MessageBody": json.dumps(b)} for i, b in enumerate(chunk)]
+        response = client.send_message_batch(QueueUrl=queue_url, Entries=entries)
+        assert not response.get("Failed"), response
+
+
+def depth(endpoint: str, queue_url: str) -> int:
+    attributes = sqs(endpoint).get_queue_attributes(
+        QueueUrl=queue_url,
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )["Attributes"]
+    return int(attributes["ApproximateNumberOfMessages"]) + int(
+        attributes["ApproximateNumberOfMessagesNotVisible"]
+    )
+
+
+def moves(first: int, count: int) -> list[dict[str, Any]]:
+    return [
+        {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": n}}
+        for n in range(first, first + count)
+    ]
+
+
+def seen(client: Client) -> list[int]:
+    return [m["payload"]["n"] for m in client.of_verb("game")]
+
+
+async def drained(cluster: Cluster, queue_url: str, within: float) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while await asyncio.to_thread(depth, cluster.dynamodb_endpoint, queue_url) != 0:
+        assert asyncio.get_running_loop().time() < deadline, "the queue was not drained"
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture
+async def bridged(
+    request: pytest.FixtureRequest, dynamodb_endpoint: str
+) -> AsyncIterator[tuple[Cluster, str]]:
+    redis = start_redis_server()
+    table = f"bridge-{uuid.uuid4().hex[:12]}"
+    await create_table(dynamodb_endpoint, table, REGION)
+    queue_url: str = sqs(dynamodb_endpoint).create_queue(
+        QueueName=f"ws-messages-{uuid.uuid4().hex[:10]}", Attributes={"VisibilityTimeout": "900"}
+    )["QueueUrl"]
+    workdir = new_workdir()
+    cluster = Cluster(redis, dynamodb_endpoint, table, workdir)
+    try:
+        for name in NODES:
+            cluster.spawn(
+                name,
+                sqs_queue_url=queue_url,
+                sqs_endpoint=dynamodb_endpoint,
+                sqs_wait_seconds=1,
+                sqs_visibility_seconds=3,
+                sqs_pollers=2,
+            )
+        for name in NODES:
+            await cluster.wait_ready(name)
+        yield cluster, queue_url
+    finally:
+        await cluster.close()
+        if request.node.stash.get(FAILED, True) or os.environ.get("AP_CLUSTER_LOGS"):
+            print(cluster.logs())
+        redis.stop()
+        remove_workdir(workdir)
+
+
+async def test_competing_consumers_deliver_each_message_once(
+    bridged: tuple[Cluster, str],
+) -> None:
+    cluster, queue_url = bridged
+    watchers = [await cluster.client(name, f"w-{name}", games=[("chess", "g1")]) for name in NODES]
+    await asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 200))
+    for watcher in watchers:
+        await eventually(lambda w=watcher: len(seen(w)) >= 200, 30, "200 events")  # type: ignore[misc]
+    await drained(cluster, queue_url, 10)
+    await asyncio.sleep(1)  # room for a duplicate to show up
+    for watcher in watchers:
+        assert sorted(seen(watcher)) == list(range(200))
+    logs = cluster.logs()
+    assert "queue bridge on" in logs
+
+
+async def test_a_node_killed_mid_run_loses_and_duplicates_nothing(
+    bridged: tuple[Cluster, str],
+) -> None:
+    cluster, queue_url = bridged
+    watcher = await cluster.client("b2", "survivor", games=[("chess", "g1")])
+    await cluster.client("b1", "doomed", games=[("chess", "g1")])
+    sender = asyncio.create_task(
+        asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 300))
+    )
+    await eventually(lambda: len(seen(watcher)) >= 50, 30, "the first events")
+    cluster.kill("b1")  # with messages received and not yet deleted, most likely
+    await sender
+    # What b1 held comes back after the visibility timeout (3 s) and b2 takes it.
+    await eventually(lambda: len(seen(watcher)) >= 300, 40, "all 300 events")
+    await drained(cluster, queue_url, 10)
+    await asyncio.sleep(1)
+    assert sorted(seen(watcher)) == list(range(300))
+
+
+async def test_a_redis_restart_keeps_messages_in_the_queue_until_published(
+    bridged: tuple[Cluster, str],
+) -> None:
+    cluster, queue_url = bridged
+    assert isinstance(cluster.redis, RedisServer)  # one Redis, restarted empty
+    watchers = [await cluster.client(name, f"w-{name}", games=[("chess", "g1")]) for name in NODES]
+    await asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 20))
+    for watcher in watchers:
+        await eventually(lambda w=watcher: len(seen(w)) >= 20, 20, "the first 20")  # type: ignore[misc]
+    cluster.redis.stop()
+    await asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(20, 40))
+    await asyncio.sleep(2)
+    assert await asyncio.to_thread(depth, cluster.dynamodb_endpoint, queue_url) > 0
+    cluster.redis.restart()
+    for watcher in watchers:
+        await eventually(lambda w=watcher: len(seen(w)) >= 60, 30, "all 60")  # type: ignore[misc]
+    await drained(cluster, queue_url, 10)
+    await asyncio.sleep(1)
+    for watcher in watchers:
+        assert watcher.ws.close_code is None  # connected through the outage
+        assert sorted(seen(watcher)) == list(range(60))

@@ -1,0 +1,158 @@
+"""Notification push end to end: a row put with plain boto3 becomes a live user event.
+
+The table's stream is moto's DynamoDB Streams over HTTP; the node reads it with
+``--notifications-from-stream``; clients are real sockets. The handover between
+two node processes is in ``tests/cluster/test_notification_push.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from server.config import Settings
+from server.services.notifications import notification_of
+from tests.client import Client
+from tests.conftest import TEST_SETTINGS, RunningServer, new_table, run_server
+from tests.services import redis_url_for_tests
+from tests.test_table_stream import enable_stream, put_notification
+
+
+def notifications(client: Client) -> list[dict[str, Any]]:
+    return [m for m in client.messages if m.get("verb") == "notification"]
+
+
+def numbers(client: Client) -> list[int]:
+    return [m["payload"]["body"]["n"] for m in notifications(client)]
+
+
+async def reading(running: RunningServer, within: float = 20) -> None:
+    """Wait until the node reads the stream (its LATEST iterators taken)."""
+    reader = running.node.services[-1].reader  # type: ignore[attr-defined]
+    deadline = time.monotonic() + within
+    while not reader.positioned:
+        assert time.monotonic() < deadline, "the stream reader did not start"
+        await asyncio.sleep(0.05)
+
+
+def settings_for(endpoint: str, table: str, **extra: Any) -> Settings:
+    return dataclasses.replace(
+        TEST_SETTINGS,
+        store="dynamodb",
+        dynamodb_endpoint=endpoint,
+        table=table,
+        notifications_from_stream=True,
+        stream_poll_ms=200,
+        **extra,
+    )
+
+
+@pytest.fixture
+async def stream_table(dynamodb_endpoint: str, raw: Any) -> str:
+    table = await new_table(dynamodb_endpoint)
+    enable_stream(raw, table)
+    return table
+
+
+@pytest.fixture
+async def pushing(dynamodb_endpoint: str, stream_table: str) -> AsyncIterator[RunningServer]:
+    async with run_server(settings_for(dynamodb_endpoint, stream_table)) as running:
+        await reading(running)
+        yield running
+
+
+async def test_a_row_put_with_boto3_appears_on_every_open_tab_of_its_user(
+    pushing: RunningServer, raw: Any, stream_table: str
+) -> None:
+    tabs = [await pushing.subscribed("alice") for _ in range(2)]
+    speaker = await pushing.subscribed("alice", since={})
+    other = await pushing.subscribed("bob")
+    sk = put_notification(raw, stream_table, "alice", 7)
+    for tab in [*tabs, speaker]:
+        frame = await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
+        assert frame["payload"] == {"sk": sk, "body": {"type": "gameEnd", "n": 7}}
+        assert frame["stream"] == "user:alice" and frame["offset"] == 1
+    await other.barrier()
+    assert notifications(other) == []
+
+
+async def test_other_records_are_not_pushed(
+    pushing: RunningServer, raw: Any, stream_table: str
+) -> None:
+    tab = await pushing.subscribed("alice")
+    sk = put_notification(raw, stream_table, "alice", 1)
+    await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
+    # Marked seen (a MODIFY), dismissed (a REMOVE), and other kinds of rows.
+    key = {"pk": {"S": "NOTIFICATION#alice"}, "sk": {"S": sk}}
+    raw.update_item(
+        TableName=stream_table,
+        Key=key,
+        UpdateExpression="SET expiresAt = :e",
+        ExpressionAttributeValues={":e": {"N": "1"}},
+    )
+    raw.delete_item(TableName=stream_table, Key=key)
+    raw.put_item(TableName=stream_table, Item={"pk": {"S": "GAME"}, "sk": {"S": "chess#0#g1"}})
+    raw.put_item(TableName=stream_table, Item={"pk": {"S": "USERS"}, "sk": {"S": "alice"}})
+    put_notification(raw, stream_table, "alice", 2)
+    await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=10)
+    await asyncio.sleep(0.5)
+    assert numbers(tab) == [1, 2]
+
+
+def test_only_inserts_of_notification_rows_become_notifications() -> None:
+    def record(event: str, pk: str, image: dict[str, Any] | None) -> dict[str, Any]:
+        change: dict[str, Any] = {"Keys": {"pk": {"S": pk}, "sk": {"S": "1#a"}}}
+        if image is not None:
+            change["NewImage"] = image
+        return {"eventID": "e1", "eventName": event, "dynamodb": change}
+
+    body = {"body": {"M": {"type": {"S": "ratingChange"}, "delta": {"N": "-12.5"}}}}
+    found = notification_of(record("INSERT", "NOTIFICATION#u1", body))
+    assert found is not None
+    assert (found.user_id, found.sk, found.body) == (
+        "u1",
+        "1#a",
+        {"type": "ratingChange", "delta": -12.5},
+    )
+    assert notification_of(record("MODIFY", "NOTIFICATION#u1", body)) is None
+    assert notification_of(record("INSERT", "GAME", body)) is None
+    assert notification_of(record("INSERT", "NOTIFICATION#u1", {})) is None
+
+
+async def test_after_a_restart_the_checkpoint_resumes_where_it_stopped(
+    dynamodb_endpoint: str, raw: Any, stream_table: str
+) -> None:
+    """Redis keeps the user stream's history, so a client that was away recovers exactly."""
+    with redis_url_for_tests() as redis_url:
+        settings = settings_for(dynamodb_endpoint, stream_table, redis_url=redis_url)
+        async with run_server(settings) as running:
+            await reading(running)
+            tab = await running.subscribed("alice", since={})
+            for n in (1, 2):
+                put_notification(raw, stream_table, "alice", n)
+            await tab.wait_for(lambda: len(notifications(tab)) == 2, within=10)
+            last = notifications(tab)[-1]
+        for n in (3, 4):  # while no node reads the stream
+            put_notification(raw, stream_table, "alice", n)
+        async with run_server(settings) as running:
+            since = {"user:alice": {"epoch": last["epoch"], "offset": last["offset"]}}
+            deadline = time.monotonic() + 15
+            while True:  # the reader resumes on its own; poll with recovery until both are in
+                again = await running.subscribed("alice", since=since)
+                answer = await again.wait_recovered("user:alice")
+                if answer["offset"] >= last["offset"] + 2 or time.monotonic() > deadline:
+                    break
+                await again.close()
+                await asyncio.sleep(0.3)
+            assert answer["recovered"] is True
+            assert numbers(again) == [3, 4]  # none skipped, none pushed twice
+            put_notification(raw, stream_table, "alice", 5)
+            await again.wait_for(lambda: len(notifications(again)) == 3, within=10)
+            await asyncio.sleep(0.5)
+            assert numbers(again) == [3, 4, 5]
+            assert [m["offset"] for m in notifications(again)] == [3, 4, 5]

@@ -1,0 +1,256 @@
+"""The queue bridge on one node: today's queue body in, frames out, over real sockets.
+
+SQS is a moto server over HTTP (the session's ``dynamodb_endpoint`` serves every
+service), sent to with plain boto3 the way the live backend sends; faults come
+from a proxy in front of it. The cluster cases are in ``tests/cluster``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import boto3
+import pytest
+
+from server.metrics import REGISTRY
+from tests.client import Client
+from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
+from tests.services import DynamoFaultProxy, redis_url_for_tests
+
+
+def sqs_client(endpoint: str) -> Any:
+    return boto3.client("sqs", endpoint_url=endpoint, region_name=TEST_REGION)
+
+
+def new_queue(endpoint: str) -> str:
+    """A queue shaped like the live one: standard, 900 s visibility, 1 day retention."""
+    url: str = sqs_client(endpoint).create_queue(
+        QueueName=f"abstractplay-ws-messages-test-{uuid.uuid4().hex[:10]}",
+        Attributes={"VisibilityTimeout": "900", "MessageRetentionPeriod": "86400"},
+    )["QueueUrl"]
+    return url
+
+
+def send(endpoint: str, queue_url: str, body: Any) -> str:
+    """What ``wsBroadcast`` does: one SendMessage with the JSON body."""
+    text = body if isinstance(body, str) else json.dumps(body)
+    message_id: str = sqs_client(endpoint).send_message(QueueUrl=queue_url, MessageBody=text)[
+        "MessageId"
+    ]
+    return message_id
+
+
+def queue_depth(endpoint: str, queue_url: str) -> int:
+    attributes = sqs_client(endpoint).get_queue_attributes(
+        QueueUrl=queue_url,
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )["Attributes"]
+    return int(attributes["ApproximateNumberOfMessages"]) + int(
+        attributes["ApproximateNumberOfMessagesNotVisible"]
+    )
+
+
+async def eventually(check: Any, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not await asyncio.to_thread(check):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within:g}s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+def game_events(client: Client) -> list[dict[str, Any]]:
+    return [m["payload"] for m in client.messages if m.get("verb") in ("game", "chat")]
+
+
+@pytest.fixture
+def queue(dynamodb_endpoint: str) -> str:
+    return new_queue(dynamodb_endpoint)
+
+
+@pytest.fixture
+async def bridged(dynamodb_endpoint: str, queue: str) -> AsyncIterator[RunningServer]:
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        sqs_queue_url=queue,
+        sqs_endpoint=dynamodb_endpoint,
+        sqs_wait_seconds=1,
+        sqs_visibility_seconds=2,
+        sqs_pollers=2,
+    )
+    async with run_server(settings) as running:
+        yield running
+
+
+async def test_todays_exact_body_reaches_the_watchers_and_exclude_holds(
+    bridged: RunningServer, dynamodb_endpoint: str, queue: str
+) -> None:
+    mover = await bridged.subscribed("alice", games=[("chess", "g1")])
+    opponent = await bridged.subscribed("bob", games=[("chess", "g1")])
+    elsewhere = await bridged.subscribed("carol", games=[("go", "g2")])
+    legacy = await bridged.subscribed("dave", watch_version=None)
+    # submitMove's body, byte for byte, plus the older version's extra fields.
+    body = {
+        "verb": "game",
+        "payload": {"meta": "chess", "id": "g1"},
+        "exclude": ["alice"],
+        "domainName": "abc123.execute-api.us-east-1.amazonaws.com",
+        "stage": "prod",
+    }
+    await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+    event = await opponent.next_message(lambda m: m.get("verb") == "game", within=10)
+    assert (event["verb"], event["payload"]) == ("game", {"meta": "chess", "id": "g1"})
+    assert (event["stream"], event["offset"]) == ("game:chess#g1", 1)
+    await legacy.next_message(lambda m: m.get("verb") == "game", within=10)
+    # invokePie's comment: exclude [""] excludes nobody real.
+    pie = {"verb": "game", "payload": {"meta": "chess", "id": "g1"}, "exclude": [""]}
+    await asyncio.to_thread(send, dynamodb_endpoint, queue, pie)
+    await mover.next_message(lambda m: m.get("verb") == "game", within=10)
+    await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
+    for client in (mover, opponent, elsewhere, legacy):
+        await client.barrier()
+    assert len(game_events(opponent)) == 2
+    assert len(game_events(legacy)) == 2
+    assert len(game_events(mover)) == 1  # excluded from its own move, not from the pie line
+    assert game_events(elsewhere) == []
+
+
+async def test_a_poison_message_is_deleted_and_counted_and_the_rest_flows(
+    bridged: RunningServer, dynamodb_endpoint: str, queue: str
+) -> None:
+    watcher = await bridged.subscribed("bob", games=[("chess", "g1")])
+    before = REGISTRY.value("ap_sqs_poison_messages_total")
+    for body in (
+        "this is not JSON",
+        {"verb": "move", "payload": {"meta": "chess", "id": "g1"}},  # unknown verb
+        {"verb": "game", "payload": {"meta": "chess"}},  # no id
+    ):
+        await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+    await asyncio.to_thread(
+        send, dynamodb_endpoint, queue, {"verb": "game", "payload": {"meta": "chess", "id": "g1"}}
+    )
+    await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
+    await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
+    assert REGISTRY.value("ap_sqs_poison_messages_total") - before == 3
+    assert len(game_events(watcher)) == 1
+
+
+async def test_a_message_delivered_again_reaches_each_client_once(
+    dynamodb_endpoint: str, queue: str
+) -> None:
+    """The delete fails, so SQS delivers the published message again: it is not re-sent."""
+    proxy = DynamoFaultProxy(dynamodb_endpoint)
+    await proxy.start()
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        sqs_queue_url=queue,
+        sqs_endpoint=proxy.endpoint,
+        sqs_wait_seconds=1,
+        sqs_visibility_seconds=1,
+        sqs_pollers=1,
+    )
+    try:
+        async with run_server(settings) as running:
+            watcher = await running.subscribed("bob", games=[("chess", "g1")])
+            duplicates = REGISTRY.value("ap_sqs_duplicates_total")
+            proxy.fail_operation("DeleteMessageBatch", 3)  # every attempt of the first delete
+            body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 1}}
+            await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+            await eventually(
+                lambda: queue_depth(dynamodb_endpoint, queue) == 0, 15, "the redelivery deleted"
+            )
+            assert REGISTRY.value("ap_sqs_duplicates_total") - duplicates == 1
+            await watcher.barrier()
+            assert game_events(watcher) == [{"meta": "chess", "id": "g1", "n": 1}]
+            assert proxy.count("DeleteMessageBatch") >= 4
+    finally:
+        await proxy.stop()
+
+
+async def test_sqs_down_then_back_loses_nothing(dynamodb_endpoint: str, queue: str) -> None:
+    proxy = DynamoFaultProxy(dynamodb_endpoint)
+    await proxy.start()
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        sqs_queue_url=queue,
+        sqs_endpoint=proxy.endpoint,
+        sqs_wait_seconds=1,
+        sqs_visibility_seconds=2,
+        sqs_pollers=2,
+    )
+    try:
+        async with run_server(settings) as running:
+            watcher = await running.subscribed("bob", games=[("chess", "g1")])
+            errors = REGISTRY.value("ap_sqs_errors_total")
+            proxy.fail_all("ServiceUnavailable", 503)
+            await asyncio.sleep(1.5)  # long polls already inside moto end first
+            for n in range(20):
+                body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": n}}
+                await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+            await asyncio.sleep(1.5)
+            assert REGISTRY.value("ap_sqs_errors_total") > errors  # it did try, and failed
+            assert game_events(watcher) == []
+            assert running.node.ready  # clients stay connected meanwhile
+            proxy.recover()
+            await eventually(lambda: len(game_events(watcher)) >= 20, 20, "all 20 events")
+            await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 10, "empty")
+            await watcher.barrier()
+            assert sorted(e["n"] for e in game_events(watcher)) == list(range(20))
+    finally:
+        await proxy.stop()
+
+
+async def test_without_the_flag_nothing_polls_aws(server: RunningServer) -> None:
+    assert server.node.services == []
+
+
+async def test_a_user_event_in_the_queue_reaches_every_tab_of_its_user(
+    bridged: RunningServer, dynamodb_endpoint: str, queue: str
+) -> None:
+    tabs = [await bridged.subscribed("bot1") for _ in range(2)]
+    other = await bridged.subscribed("human")
+    body = {"verb": "yourTurn", "payload": {"meta": "chess", "id": "g1"}, "users": ["bot1"]}
+    await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+    for tab in tabs:
+        frame = await tab.next_message(lambda m: m.get("verb") == "yourTurn", within=10)
+        assert frame["payload"] == {"meta": "chess", "id": "g1"}
+        assert (frame["stream"], frame["offset"]) == ("user:bot1", 1)
+    await other.barrier()
+    assert other.of_verb("yourTurn") == []
+
+
+async def test_one_message_handed_to_two_pollers_of_one_node_is_published_once(
+    dynamodb_endpoint: str, queue: str
+) -> None:
+    """SQS (and moto, whose receive is not atomic across threads) may give one message to
+    two concurrent receives; both are this node's pollers, and one publish must come of it.
+    With Redis the claim and the publish really interleave."""
+    from server.ingress.sqs import SqsBridge, _Received
+
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        sqs_queue_url=queue,
+        sqs_endpoint=dynamodb_endpoint,
+        sqs_wait_seconds=1,
+        store="dynamodb",
+        dynamodb_endpoint=dynamodb_endpoint,
+        table=await new_table(dynamodb_endpoint),
+    )
+    with redis_url_for_tests() as redis_url:
+        async with run_server(dataclasses.replace(settings, redis_url=redis_url)) as running:
+            bridge = running.node.services[0]
+            assert isinstance(bridge, SqsBridge)
+            watcher = await running.subscribed("bob", games=[("chess", "g1")])
+            body = json.dumps({"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 9}})
+            message_id = str(uuid.uuid4())
+            copies = [_Received(message_id, f"receipt-{i}", body, None) for i in range(2)]
+            await asyncio.gather(*(bridge._handle([copy]) for copy in copies))
+            await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
+            await asyncio.sleep(0.5)
+            await watcher.barrier()
+            assert game_events(watcher) == [{"meta": "chess", "id": "g1", "n": 9}]

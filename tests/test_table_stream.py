@@ -1,0 +1,251 @@
+"""The table-stream reader: shard planning, and reading moto's DynamoDB Stream over HTTP.
+
+The reader here hands records to a recording handler; the notification push on
+top of it, over real sockets, is tested in ``test_notifications.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import pytest
+
+from server.bus.redis_bus import make_client
+from server.ingress.table_stream import (
+    Plan,
+    Position,
+    Record,
+    Shard,
+    Start,
+    TableStreamReader,
+    plan_shards,
+)
+from server.lease import Lease, MemoryLease, RedisLease
+from server.store.base import ShardCheckpoint
+from server.store.dynamodb import DynamoStore
+from tests.conftest import TEST_REGION, new_table
+from tests.services import redis_url_for_tests
+
+# --- planning (pure) -------------------------------------------------------------
+
+
+def cp(shard: str, seq: str | None = "5", done: bool = False) -> ShardCheckpoint:
+    return ShardCheckpoint(shard, seq, done)
+
+
+def test_a_first_start_reads_open_shards_from_the_latest_and_skips_closed_ones() -> None:
+    shards = [Shard("a", None, True), Shard("b", "a", False), Shard("c", None, False)]
+    assert plan_shards(shards, {}, fresh=True) == Plan(
+        {"b": Position(Start.LATEST), "c": Position(Start.LATEST)}, {"a"}
+    )
+
+
+def test_checkpointed_shards_resume_after_their_sequence_number() -> None:
+    shards = [Shard("a", None, False)]
+    assert plan_shards(shards, {"a": cp("a", "42")}, fresh=False).read == {
+        "a": Position(Start.AFTER, "42")
+    }
+
+
+def test_a_child_waits_for_its_parent_then_reads_from_its_start() -> None:
+    shards = [Shard("p", None, True), Shard("c1", "p", False), Shard("c2", "p", False)]
+    waiting = plan_shards(shards, {"p": cp("p", "9")}, fresh=False)
+    assert waiting.read == {"p": Position(Start.AFTER, "9")}
+    after = plan_shards(shards, {"p": cp("p", "12", done=True)}, fresh=False)
+    assert after.read == {"c1": Position(Start.TRIM_HORIZON), "c2": Position(Start.TRIM_HORIZON)}
+
+
+def test_a_trimmed_parent_does_not_block_its_child() -> None:
+    plan = plan_shards([Shard("c", "gone", False)], {}, fresh=False)
+    assert plan.read == {"c": Position(Start.TRIM_HORIZON)}
+
+
+def test_ancestors_of_a_checkpointed_shard_are_finished_without_reading() -> None:
+    shards = [Shard("g", None, True), Shard("p", "g", True), Shard("c", "p", False)]
+    plan = plan_shards(shards, {"c": cp("c", "77")}, fresh=False)
+    assert plan == Plan({"c": Position(Start.AFTER, "77")}, {"g", "p"})
+
+
+def test_a_shard_opened_at_latest_that_saw_nothing_is_read_from_its_start() -> None:
+    plan = plan_shards([Shard("a", None, False)], {"a": cp("a", None)}, fresh=False)
+    assert plan.read == {"a": Position(Start.TRIM_HORIZON)}
+
+
+def test_running_and_done_shards_are_left_alone() -> None:
+    shards = [Shard("a", None, True), Shard("b", "a", False)]
+    plan = plan_shards(shards, {"a": cp("a", done=True)}, fresh=False, running=frozenset({"b"}))
+    assert plan == Plan({}, set())
+
+
+# --- reading moto's stream ---------------------------------------------------------
+
+
+def enable_stream(raw: Any, table: str) -> None:
+    raw.update_table(
+        TableName=table,
+        StreamSpecification={"StreamEnabled": True, "StreamViewType": "NEW_AND_OLD_IMAGES"},
+    )
+
+
+def put_notification(raw: Any, table: str, user: str, n: int) -> str:
+    sk = f"{int(time.time() * 1000)}#{uuid.uuid4().hex[:8]}"
+    raw.put_item(
+        TableName=table,
+        Item={
+            "pk": {"S": f"NOTIFICATION#{user}"},
+            "sk": {"S": sk},
+            "body": {"M": {"type": {"S": "gameEnd"}, "n": {"N": str(n)}}},
+            "expiresAt": {"N": str(int(time.time()) + 180 * 86400)},
+        },
+    )
+    return sk
+
+
+class Recorder:
+    """A handler that keeps every record, and says each notification row mattered."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+
+    async def __call__(self, records: Sequence[Record]) -> int:
+        self.records.extend(records)
+        return sum(1 for r in records if r["dynamodb"]["Keys"]["pk"]["S"].startswith("NOTIF"))
+
+    def numbers(self) -> list[int]:
+        return [
+            int(r["dynamodb"]["NewImage"]["body"]["M"]["n"]["N"])
+            for r in self.records
+            if r["eventName"] == "INSERT" and "body" in r["dynamodb"].get("NewImage", {})
+        ]
+
+
+@pytest.fixture
+async def streamed(dynamodb_endpoint: str, raw: Any) -> AsyncIterator[tuple[str, DynamoStore]]:
+    table = await new_table(dynamodb_endpoint)
+    enable_stream(raw, table)
+    store = DynamoStore(table=table, region=TEST_REGION, endpoint_url=dynamodb_endpoint)
+    await store.start()
+    try:
+        yield table, store
+    finally:
+        await store.close()
+
+
+def reader_for(
+    endpoint: str, table: str, store: DynamoStore, handler: Recorder, lease: Lease | None = None
+) -> TableStreamReader:
+    return TableStreamReader(
+        store,
+        lease if lease is not None else MemoryLease(),
+        handler,
+        table=table,
+        region=TEST_REGION,
+        endpoint_url=endpoint,
+        poll_seconds=0.05,
+    )
+
+
+async def until(check: Callable[[], bool], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within:g}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_a_first_start_begins_at_the_latest_record(
+    dynamodb_endpoint: str, raw: Any, streamed: tuple[str, DynamoStore]
+) -> None:
+    table, store = streamed
+    put_notification(raw, table, "alice", 0)  # a day-old row: not replayed
+    recorder = Recorder()
+    reader = reader_for(dynamodb_endpoint, table, store, recorder)
+    await reader.start()
+    try:
+        await until(lambda: bool(reader.positioned), 20, "the reader at the latest record")
+        put_notification(raw, table, "alice", 1)
+        raw.put_item(TableName=table, Item={"pk": {"S": "GAME"}, "sk": {"S": "g1"}})
+        await until(lambda: len(recorder.records) >= 2, 20, "two records")
+    finally:
+        await reader.stop()
+    assert recorder.numbers() == [1]
+    arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
+    checkpoints = await store.stream_checkpoints(arn)
+    assert len(checkpoints) == 1 and next(iter(checkpoints.values())).sequence_number
+
+
+async def test_a_restart_resumes_at_the_checkpoint(
+    dynamodb_endpoint: str, raw: Any, streamed: tuple[str, DynamoStore]
+) -> None:
+    table, store = streamed
+    first = Recorder()
+    reader = reader_for(dynamodb_endpoint, table, store, first)
+    await reader.start()
+    await until(lambda: bool(reader.positioned), 20, "the reader at the latest record")
+    for n in range(3):
+        put_notification(raw, table, "bob", n)
+    await until(lambda: len(first.numbers()) == 3, 20, "three rows")
+    await reader.stop()
+    for n in range(3, 6):  # written while no reader runs
+        put_notification(raw, table, "bob", n)
+    second = Recorder()
+    again = reader_for(dynamodb_endpoint, table, store, second)
+    await again.start()
+    try:
+        await until(lambda: len(second.numbers()) >= 3, 20, "the rows written meanwhile")
+        put_notification(raw, table, "bob", 6)
+        await until(lambda: len(second.numbers()) >= 4, 20, "a live row")
+        await asyncio.sleep(0.3)
+    finally:
+        await again.stop()
+    assert first.numbers() == [0, 1, 2]
+    assert second.numbers() == [3, 4, 5, 6]  # none skipped, none twice
+
+
+async def test_one_reader_at_a_time_and_a_handover_skips_nothing(
+    dynamodb_endpoint: str, raw: Any, streamed: tuple[str, DynamoStore]
+) -> None:
+    table, store = streamed
+    with redis_url_for_tests() as url:
+        leases = [
+            RedisLease(make_client(url), "ap:{test-stream}:leader", f"n{i}", 4000) for i in range(2)
+        ]
+        recorders = [Recorder(), Recorder()]
+        readers = [
+            reader_for(dynamodb_endpoint, table, store, recorders[i], leases[i]) for i in range(2)
+        ]
+        for reader in readers:
+            await reader.start()
+        try:
+            await until(lambda: any(r.positioned for r in readers), 20, "a reader")
+            await asyncio.sleep(1.5)
+            assert sum(r.reading for r in readers) == 1
+            active = 0 if readers[0].reading else 1
+            for n in range(3):
+                put_notification(raw, table, "carol", n)
+            await until(lambda: len(recorders[active].numbers()) == 3, 20, "three rows")
+            arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
+            for _ in range(200):  # their checkpoint is written right after them
+                if any(c.sequence_number for c in (await store.stream_checkpoints(arn)).values()):
+                    break
+                await asyncio.sleep(0.05)
+            # The active reader dies without a goodbye: its lease lapses. (Killed between
+            # publishing and checkpointing, it would leave them to be read again: the
+            # notification push's dedup keys catch that, not the reader.)
+            lead = readers[active]._lead_task
+            assert lead is not None
+            lead.cancel()
+            await readers[active]._stop_reading("killed")
+            for n in range(3, 6):
+                put_notification(raw, table, "carol", n)
+            other = 1 - active
+            await until(lambda: len(recorders[other].numbers()) >= 3, 30, "the handover")
+        finally:
+            for reader in readers:
+                await reader.stop()
+    assert recorders[active].numbers() == [0, 1, 2]
+    assert recorders[other].numbers() == [3, 4, 5]
