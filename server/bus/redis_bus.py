@@ -110,7 +110,37 @@ def make_client(
     return client
 
 
-class RedisBus:
+class LocalDelivery:
+    """What both Redis buses do with their own node's handler.
+
+    Subclasses set ``_handler`` and ``_topics``; a publish that cannot reach
+    Redis still reaches this node's subscribers, on a later loop turn as a
+    network bus would deliver it.
+    """
+
+    _handler: MessageHandler | None
+    _topics: set[str]
+
+    def _deliver_here_only(self, topic: str, data: bytes) -> None:
+        local_only.inc()
+        if topic in self._topics:
+            asyncio.get_running_loop().call_soon(self._deliver_local, topic, data)
+
+    def _deliver_local(self, topic: str, data: bytes) -> None:
+        if topic in self._topics:
+            self._call_handler(topic, data)
+
+    def _call_handler(self, topic: str, data: bytes) -> None:
+        handler = self._handler
+        if handler is None:
+            return
+        try:
+            handler(topic, data)
+        except Exception:
+            log.exception("bus handler failed on %s", topic)
+
+
+class RedisBus(LocalDelivery):
     sharded = False
 
     def __init__(
@@ -215,13 +245,7 @@ class RedisBus:
                 log.warning("publish on %s failed, delivering on this node only: %s", topic, exc)
         if not local_fallback:
             raise BusDown(f"the Redis bus is disconnected; {topic} not published")
-        local_only.inc()
-        if topic in self._topics:
-            asyncio.get_running_loop().call_soon(self._deliver_local, topic, data)
-
-    def _deliver_local(self, topic: str, data: bytes) -> None:
-        if topic in self._topics:
-            self._call_handler(topic, data)
+        self._deliver_here_only(topic, data)
 
     async def subscribe(self, topics: Iterable[str]) -> None:
         """Subscribe; when connected, return once Redis has taken the subscription."""
@@ -368,12 +392,3 @@ class RedisBus:
             future = self._barriers.get(message["data"])
             if future is not None and not future.done():
                 future.set_result(True)
-
-    def _call_handler(self, topic: str, data: bytes) -> None:
-        handler = self._handler
-        if handler is None:
-            return
-        try:
-            handler(topic, data)
-        except Exception:
-            log.exception("bus handler failed on %s", topic)

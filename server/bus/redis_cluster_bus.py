@@ -51,9 +51,9 @@ from redis.exceptions import NoScriptError, RedisError
 from server.bus.base import BusDown, MessageHandler
 from server.bus.redis_bus import (
     BusUnavailable,
+    LocalDelivery,
     ReconnectCallback,
     channel_for,
-    local_only,
     make_client,
 )
 from server.metrics import REGISTRY
@@ -311,7 +311,7 @@ class _Shard:
             await self.redis.aclose()
 
 
-class RedisClusterBus:
+class RedisClusterBus(LocalDelivery):
     """The :class:`~server.bus.base.Bus` over a Redis Cluster (``--redis-cluster-url``)."""
 
     sharded = True
@@ -423,13 +423,7 @@ class RedisClusterBus:
             if not local_fallback:
                 raise BusDown(f"SPUBLISH on {topic} failed: {exc}") from exc
             log.warning("SPUBLISH on %s failed, delivering here only: %s", topic, exc)
-        local_only.inc()
-        if topic in self._topics:
-            asyncio.get_running_loop().call_soon(self._deliver_local, topic, data)
-
-    def _deliver_local(self, topic: str, data: bytes) -> None:
-        if topic in self._topics:
-            self._call_handler(topic, data)
+        self._deliver_here_only(topic, data)
 
     # --- subscribe ----------------------------------------------------------
 
@@ -603,12 +597,3 @@ class RedisClusterBus:
         topic = self._by_channel.get(channel)
         if topic is not None:
             self._call_handler(topic, data)
-
-    def _call_handler(self, topic: str, data: bytes) -> None:
-        handler = self._handler
-        if handler is None:
-            return
-        try:
-            handler(topic, data)
-        except Exception:
-            log.exception("bus handler failed on %s", topic)
