@@ -42,6 +42,7 @@ from server.lease import Lease, MemoryLease, RedisLease
 from server.limits import TokenBucket
 from server.metrics import REGISTRY
 from server.node import Coordination, Node
+from server.pauses import PauseWatch
 from server.presence import MemoryPresenceBackend, PresenceBackend
 from server.reclaim import Reclaimer
 from server.store.base import Store
@@ -124,6 +125,11 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
         bus = memory_bus
         backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
         memory_streams = MemoryStreams(memory_bus, settings.stream_limits)
+        REGISTRY.gauge(
+            "ap_stream_history_bytes",
+            "Event bytes kept in the streams' histories (embedded: in this process)",
+            memory_streams.history_bytes,
+        )
         node = Node(settings, store, bus, backend, build_authenticator(settings), memory_streams)
     add_bridges(node, settings)
     return node
@@ -386,6 +392,8 @@ async def serve_forever(settings: Settings) -> None:
         return
     ws_server, runner, reclaimer = started
     gc.freeze()  # what start-up allocated lives as long as the process
+    pauses = PauseWatch()
+    pauses.start()
     mode = (
         "cluster node (Redis Cluster bus)"
         if settings.redis_cluster_url is not None
@@ -412,6 +420,7 @@ async def serve_forever(settings: Settings) -> None:
         log.info("second signal: closing the remaining sessions at once")
     log.info("shutting down: deleting this node's rows and leaving presence")
     await reclaimer.stop()
+    await pauses.stop()
     await node.stop()
     with contextlib.suppress(Exception):
         await ws_server.wait_closed()

@@ -77,6 +77,11 @@ class _MemoryStream:
     top: int = 0
     last_event: float = 0.0
     history: deque[tuple[int, bytes]] = field(default_factory=deque)
+    history_bytes: int = 0
+
+    def forget_history(self) -> None:
+        self.history.clear()
+        self.history_bytes = 0
 
 
 class MemoryStreams:
@@ -107,7 +112,7 @@ class MemoryStreams:
         if state is None:
             state = self._streams[name] = _MemoryStream(epoch=new_epoch(), last_event=now)
         elif now - state.last_event > self._limits.history_ttl:
-            state.history.clear()
+            state.forget_history()
         return state
 
     async def append(self, stream: str, data: bytes, topics: Sequence[str]) -> Position:
@@ -122,8 +127,9 @@ class MemoryStreams:
         state.top += 1
         state.last_event = now
         state.history.append((state.top, data))
+        state.history_bytes += len(data)
         while len(state.history) > self._limits.history_size:
-            state.history.popleft()
+            state.history_bytes -= len(state.history.popleft()[1])
         message = encode_positioned(state.epoch, state.top, data)
         for topic in topics:
             self._bus.publish_now(topic, message)
@@ -145,7 +151,12 @@ class MemoryStreams:
             if idle > limits.meta_ttl:
                 del self._streams[name]
             elif idle > limits.history_ttl:
-                state.history.clear()
+                state.forget_history()
 
     def stream_count(self) -> int:
         return len(self._streams)
+
+    def history_bytes(self) -> int:
+        """Event bytes the histories hold: the embedded node's part of its memory
+        that is a cache by design (at most streams x ``history_size`` events)."""
+        return sum(state.history_bytes for state in self._streams.values())

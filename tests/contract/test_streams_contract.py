@@ -212,3 +212,19 @@ async def test_memory_streams_forget_idle_streams() -> None:
     # The old stream passed its meta ttl, the recent one only its history ttl.
     assert streams.stream_count() == 2
     assert (await streams.read("game:m#recent", 0)).entries == ()
+
+
+async def test_memory_streams_count_the_bytes_their_histories_hold() -> None:
+    now = [0.0]
+    streams = MemoryStreams(
+        MemoryBus(),
+        StreamLimits(history_size=2, history_ttl=10, meta_ttl=100),
+        clock=lambda: now[0],
+    )
+    for data in (b"a" * 100, b"b" * 10, b"c" * 1):
+        await streams.append("game:m#1", data, ())
+    await streams.append("game:m#2", b"d" * 1000, ())
+    assert streams.history_bytes() == 10 + 1 + 1000  # the first event left the capped history
+    now[0] = 20.0
+    await streams.read("game:m#1", 0)  # past its history ttl: the history is dropped
+    assert streams.history_bytes() == 1000
