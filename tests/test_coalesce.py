@@ -61,6 +61,8 @@ async def test_one_callers_error_fails_that_caller_only(client: aioredis.Redis) 
     assert results[0] == [1, 3] and results[2] == [7]
     assert isinstance(results[1], ResponseError)
     assert await client.lrange(log, 0, -1) == [b"1", b"2", b"4"]
+    with pytest.raises(ResponseError):  # alone in its turn, the same
+        await coalescer.run([([key, log], ["not a number"])])
     await coalescer.close()
 
 
@@ -73,5 +75,7 @@ async def test_calls_run_again_after_the_script_cache_was_flushed(
     await client.script_flush()
     # NOSCRIPT: none of these ran, so each runs once after SCRIPT LOAD.
     assert await coalescer.run([([key, log], [1]), ([key, log], [1])]) == [6, 7]
-    assert await client.lrange(log, 0, -1) == [b"5", b"1", b"1"]
+    await client.script_flush()
+    assert await coalescer.run([([key, log], [3])]) == [10]  # alone: a plain EVALSHA
+    assert await client.lrange(log, 0, -1) == [b"5", b"1", b"1", b"3"]
     await coalescer.close()

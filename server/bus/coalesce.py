@@ -24,7 +24,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 Call = tuple[Sequence[str], Sequence[Any]]
 """One script run: (keys, args)."""
@@ -84,6 +84,9 @@ class ScriptCoalescer:
             self._flushing = None
 
     async def _send(self, calls: list[Call]) -> list[Any]:
+        if len(calls) == 1:
+            # Alone in its turn (a quiet node): a plain EVALSHA costs less CPU than a pipeline.
+            return [await self._single(*calls[0])]
         replies = await self._pipeline(calls)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
@@ -93,6 +96,16 @@ class ScriptCoalescer:
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
+
+    async def _single(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            try:
+                return await self._client.evalsha(self._sha, len(keys), *keys, *args)
+            except NoScriptError:
+                await self._client.script_load(self._script)
+                return await self._client.evalsha(self._sha, len(keys), *keys, *args)
+        except ResponseError as exc:
+            return exc  # this call's own error, as a pipeline would return it
 
     async def _pipeline(self, calls: list[Call]) -> list[Any]:
         # ``async with``: a pipeline that failed gives its connection back to the pool.
