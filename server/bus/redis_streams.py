@@ -55,7 +55,7 @@ if KEYS[3] then
   local seen = redis.call('GET', KEYS[3])
   if seen then
     local colon = string.find(seen, ':', 1, true)
-    return {string.sub(seen, 1, colon - 1), tonumber(string.sub(seen, colon + 1))}
+    return {string.sub(seen, 1, colon - 1), tonumber(string.sub(seen, colon + 1)), 1}
   end
 end
 local epoch = redis.call('HGET', KEYS[1], 'e')
@@ -79,7 +79,8 @@ return {epoch, offset}
 """
 """KEYS: meta, history, and the event id's key if the append names its event.
 ARGV: envelope, history size, history ttl s, meta ttl s, epoch to use if the
-stream has none, event id ttl s, then the channels to publish on."""
+stream has none, event id ttl s, then the channels to publish on.
+Returns {epoch, offset}, and a third element, 1, if the event id was a repeat."""
 
 READ = """
 local epoch = redis.call('HGET', KEYS[1], 'e')
@@ -189,7 +190,7 @@ class RedisStreams:
         deadline = time.monotonic() + self._failover_deadline
         reply = await through_failover(lambda: self._append(keys, args), deadline)
         position = _position(reply)
-        if elsewhere:
+        if elsewhere and len(reply) == 2:  # a repeated event id published nothing
             message = encode_positioned(position.epoch, position.offset, data)
             for topic in elsewhere:
                 publish = partial(self._client.spublish, channel_for(topic), message)
@@ -239,5 +240,4 @@ def _text(value: Any) -> str:
 
 
 def _position(reply: Any) -> Position:
-    epoch, offset = reply
-    return Position(_text(epoch), int(offset))
+    return Position(_text(reply[0]), int(reply[1]))
