@@ -45,7 +45,7 @@ async def _used(client: aioredis.Redis) -> int:
 
 async def _append_round(streams: RedisStreams, names: list[str], events: dict[str, bytes]) -> None:
     for start in range(0, len(names), BATCH):
-        chunk: list[Append] = [(n, events[n], (n,)) for n in names[start : start + BATCH]]
+        chunk = [Append(n, events[n], (n,)) for n in names[start : start + BATCH]]
         await streams.append_many(chunk)
 
 

@@ -690,7 +690,7 @@ class Node:
     # --- events -------------------------------------------------------------
 
     async def publish(
-        self, message: Broadcast, *, require_cluster: bool = False
+        self, message: Broadcast, *, require_cluster: bool = False, event_id: str | None = None
     ) -> dict[str, Position]:
         """The one door into the cluster for every event; returns the positions taken.
 
@@ -701,6 +701,10 @@ class Node:
         unpositioned, and no positions are returned. With ``require_cluster`` it
         raises instead (:class:`~server.bus.base.BusDown`, or the streams' error):
         the queue bridge and the notification push then keep the event and retry.
+
+        ``event_id`` names the event (an SQS MessageId, a notification row's
+        sk): published again within 15 minutes, it is not appended or delivered
+        again, and each stream answers the position it took the first time.
         """
         events_published.inc()
         data = encode_envelope(message)
@@ -710,9 +714,10 @@ class Node:
             return {}
         if isinstance(event, GameEvent):
             stream = game_stream(event.key)
-            items: list[Append] = [(stream, data, (game_topic(event.key), ALL_GAMES))]
+            items = [Append(stream, data, (game_topic(event.key), ALL_GAMES), event_id)]
         else:
-            items = [(user_stream(u), data, (user_stream(u),)) for u in event.users]
+            # Each user stream remembers the id: a retry finds it in every one.
+            items = [Append(user_stream(u), data, (user_stream(u),), event_id) for u in event.users]
         try:
             positions = await self.streams.append_many(items)
         except Exception:
@@ -721,10 +726,10 @@ class Node:
             # Redis is away: nobody can assign positions, but this node's own
             # clients still hear of the event (they are told to refetch later).
             log.warning("streams unreachable: %s delivered on this node only", event.verb)
-            for stream, _, _ in items:
-                self._deliver_unpositioned(stream, message)
+            for item in items:
+                self._deliver_unpositioned(item.stream, message)
             return {}
-        return {stream: position for (stream, _, _), position in zip(items, positions, strict=True)}
+        return {item.stream: position for item, position in zip(items, positions, strict=True)}
 
     def _on_bus_message(self, topic: str, data: bytes) -> None:
         events_received.inc()

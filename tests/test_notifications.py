@@ -18,7 +18,7 @@ import pytest
 from server.config import Settings
 from server.services.notifications import notification_of
 from tests.client import Client
-from tests.conftest import TEST_SETTINGS, RunningServer, new_table, run_server
+from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
 from tests.services import redis_url_for_tests
 from tests.test_table_stream import enable_stream, put_notification
 
@@ -102,6 +102,45 @@ async def test_other_records_are_not_pushed(
     await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=10)
     await asyncio.sleep(0.5)
     assert numbers(tab) == [1, 2]
+
+
+async def test_a_record_published_again_with_no_dedup_trace_is_pushed_once(
+    pushing: RunningServer, raw: Any, stream_table: str
+) -> None:
+    """A reader killed between publishing and marking done leaves only a claim that
+    expires; the next reader (here: one whose dedup store knows nothing) publishes the
+    record again. The append is named by the row's sk, so the user hears it once."""
+    from server.dedup import MemoryDedup
+    from server.lease import MemoryLease
+    from server.services.notifications import NotificationPush
+
+    tab = await pushing.subscribed("alice", since={})
+    sk = put_notification(raw, stream_table, "alice", 1)
+    await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
+    record = {
+        "eventID": "the-record-again",
+        "eventName": "INSERT",
+        "dynamodb": {
+            "Keys": {"pk": {"S": "NOTIFICATION#alice"}, "sk": {"S": sk}},
+            "NewImage": {"body": {"M": {"type": {"S": "gameEnd"}, "n": {"N": "1"}}}},
+        },
+    }
+    next_reader = NotificationPush(
+        pushing.node,
+        pushing.node.store,
+        MemoryLease(),
+        MemoryDedup(),
+        table=stream_table,
+        region=TEST_REGION,
+        endpoint_url=None,
+        poll_seconds=1.0,
+    )
+    assert await next_reader.handle([record]) == 1
+    put_notification(raw, stream_table, "alice", 2)
+    await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=10)
+    await tab.barrier()
+    assert numbers(tab) == [1, 2]
+    assert tab.offsets("user:alice") == [1, 2]
 
 
 def test_only_inserts_of_notification_rows_become_notifications() -> None:

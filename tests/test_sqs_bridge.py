@@ -254,3 +254,77 @@ async def test_one_message_handed_to_two_pollers_of_one_node_is_published_once(
             await asyncio.sleep(0.5)
             await watcher.barrier()
             assert game_events(watcher) == [{"meta": "chess", "id": "g1", "n": 9}]
+
+
+async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate(
+    dynamodb_endpoint: str, queue: str
+) -> None:
+    """The kill window: a consumer claims and publishes, then dies (no complete, no
+    delete). Its claim expires, the message comes back and the bridge publishes it
+    again: the append remembers the MessageId, so clients get each event once."""
+    from protocol.parse import parse_broadcast
+    from server.bus.redis_bus import make_client
+    from server.dedup import Claim, RedisDedup
+    from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
+
+    move = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 1}}
+    turn = {"verb": "yourTurn", "payload": {"meta": "chess", "id": "g1"}, "users": ["b1", "b2"]}
+    with redis_url_for_tests() as redis_url:
+        settings = dataclasses.replace(TEST_SETTINGS, redis_url=redis_url)
+        async with run_server(settings) as running:
+            watcher = await running.subscribed("bob", games=[("chess", "g1")], since={})
+            bots = [await running.subscribed(user, since={}) for user in ("b1", "b2")]
+            for body in (move, turn):
+                await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+            # The doomed consumer: receive, claim, publish, and die right there.
+            received = await asyncio.to_thread(
+                sqs_client(dynamodb_endpoint).receive_message,
+                QueueUrl=queue,
+                MaxNumberOfMessages=10,
+                VisibilityTimeout=1,
+            )
+            messages = received["Messages"]
+            assert len(messages) == 2
+            doomed = RedisDedup(make_client(redis_url, retries=1))
+            keys = [DEDUP_PREFIX + m["MessageId"] for m in messages]
+            assert await doomed.claim(keys, "doomed/1", 1.0) == [Claim.CLAIMED] * 2
+            for message in messages:
+                await running.node.publish(
+                    parse_broadcast(message["Body"]),
+                    require_cluster=True,
+                    event_id=message["MessageId"],
+                )
+            await doomed.close()
+            await asyncio.sleep(1.2)  # visibility and claim both expired: the kill window
+            published = REGISTRY.value("ap_sqs_messages_published_total")
+            bridge = SqsBridge(
+                running.node,
+                RedisDedup(make_client(redis_url, retries=1)),
+                queue,
+                region=TEST_REGION,
+                endpoint_url=dynamodb_endpoint,
+                pollers=1,
+                wait_seconds=1,
+                visibility_seconds=2,
+            )
+            await bridge.start()
+            try:
+                await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 15, "empty")
+            finally:
+                await bridge.stop()
+            # The second consumer did publish both again...
+            assert REGISTRY.value("ap_sqs_messages_published_total") - published == 2
+            status, reply = await running.publish(
+                {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 2}}
+            )
+            assert status == 202 and isinstance(reply, dict)
+            # ...and neither took a second position, nor reached anyone twice.
+            assert reply["positions"]["game:chess#g1"]["offset"] == 2
+            await watcher.wait_for(lambda: len(watcher.on_stream("game:chess#g1")) >= 2)
+            for client in (watcher, *bots):
+                await client.barrier()
+            assert [e["n"] for e in game_events(watcher)] == [1, 2]
+            assert watcher.offsets("game:chess#g1") == [1, 2]
+            for bot, user in zip(bots, ("b1", "b2"), strict=True):
+                assert len(bot.of_verb("yourTurn")) == 1
+                assert bot.offsets(f"user:{user}") == [1]

@@ -17,6 +17,7 @@ class MemoryHub:
         # Stream positions and history (server.bus.streams.MemoryStreams), shared
         # by every MemoryStreams on this hub as Redis keys are by every node.
         self.streams: dict[str, Any] = {}
+        self.event_ids: dict[Any, Any] = {}
 
 
 class MemoryBus:

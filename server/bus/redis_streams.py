@@ -9,12 +9,19 @@ them in one Redis Cluster slot:
 - ``ap:{s}:hist``: a Redis stream of the last ``history_size`` events, entry id
   ``<offset>-0`` and one field ``d`` (the envelope); expires ``history_ttl``
   after the last event.
+- ``ap:{s}:id:<event id>``: for an append that names its event, the position it
+  took (``<epoch>:<offset>``); expires ``event_id_ttl`` (15 min) after it.
 
 ``APPEND`` (below) creates the epoch if the meta is gone (a new epoch starts
 at offset 1 and drops any old history), takes the next offset with
 ``HINCRBY``, appends with an exact ``MAXLEN``, refreshes both ttls and
 publishes the positioned message on each channel given. Redis runs scripts one
 at a time, so positions are assigned and published in one order for everyone.
+Given an event id it first looks for the id key: if there, it returns the
+position stored in it and does nothing else; if not, it appends and sets it.
+
+On one Redis the appends of concurrent callers go out together, one pipeline
+per round trip (:mod:`server.bus.coalesce`), still one script run per event.
 
 On a Redis Cluster (:meth:`RedisStreams.on_cluster`) the script runs on the
 shard of the stream's slot and publishes with ``SPUBLISH`` only on the
@@ -37,12 +44,20 @@ from redis.crc import key_slot
 from protocol.envelope import encode_positioned
 from protocol.messages import Position
 from protocol.streams import HistoryRead
+from server.bus.coalesce import ScriptCoalescer
 from server.bus.redis_bus import channel_for, make_client
 from server.bus.redis_cluster_bus import RedisClusterBus, ShardScript, through_failover
 from server.bus.streams import DEFAULT_LIMITS, Append, StreamLimits, new_epoch
 from server.cluster_lua import for_bus
 
 APPEND = """
+if KEYS[3] then
+  local seen = redis.call('GET', KEYS[3])
+  if seen then
+    local colon = string.find(seen, ':', 1, true)
+    return {string.sub(seen, 1, colon - 1), tonumber(string.sub(seen, colon + 1)), 1}
+  end
+end
 local epoch = redis.call('HGET', KEYS[1], 'e')
 if not epoch then
   epoch = ARGV[5]
@@ -53,14 +68,19 @@ local offset = redis.call('HINCRBY', KEYS[1], 's', 1)
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], offset .. '-0', 'd', ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
+if KEYS[3] then
+  redis.call('SET', KEYS[3], epoch .. ':' .. offset, 'EX', ARGV[6])
+end
 local message = '\\0' .. epoch .. '\\0' .. offset .. '\\0' .. ARGV[1]
-for i = 6, #ARGV do
+for i = 7, #ARGV do
   redis.call('PUBLISH', ARGV[i], message)
 end
 return {epoch, offset}
 """
-"""KEYS: meta, history. ARGV: envelope, history size, history ttl s, meta ttl s,
-epoch to use if the stream has none, then the channels to publish on."""
+"""KEYS: meta, history, and the event id's key if the append names its event.
+ARGV: envelope, history size, history ttl s, meta ttl s, epoch to use if the
+stream has none, event id ttl s, then the channels to publish on.
+Returns {epoch, offset}, and a third element, 1, if the event id was a repeat."""
 
 READ = """
 local epoch = redis.call('HGET', KEYS[1], 'e')
@@ -91,6 +111,17 @@ def history_key(stream: str) -> str:
     return "ap:{" + stream + "}:hist"
 
 
+def event_id_key(stream: str, event_id: str) -> str:
+    return "ap:{" + stream + "}:id:" + event_id
+
+
+def append_keys(stream: str, event_id: str | None) -> list[str]:
+    keys = [meta_key(stream), history_key(stream)]
+    if event_id is not None:
+        keys.append(event_id_key(stream, event_id))
+    return keys
+
+
 class RedisStreams:
     def __init__(
         self,
@@ -110,7 +141,7 @@ class RedisStreams:
             self._append: Any = ShardScript(self._client, append)
             self._read: Any = ShardScript(self._client, read)
         else:
-            self._append = self._client.register_script(append)
+            self._appends = ScriptCoalescer(self._client, append)
             self._read = self._client.register_script(read)
 
     @classmethod
@@ -129,9 +160,11 @@ class RedisStreams:
             await self._client.initialize()
 
     async def close(self) -> None:
+        if not self._sharded:
+            await self._appends.close()
         await self._client.aclose()
 
-    def _append_args(self, stream: str, data: bytes, topics: Sequence[str]) -> list[Any]:
+    def _append_args(self, data: bytes, topics: Sequence[str]) -> list[Any]:
         limits = self._limits
         return [
             data,
@@ -139,22 +172,25 @@ class RedisStreams:
             max(1, int(limits.history_ttl)),
             max(1, int(limits.meta_ttl)),
             new_epoch(),
+            max(1, int(limits.event_id_ttl)),
             *[channel_for(topic) for topic in topics],
         ]
 
-    async def append(self, stream: str, data: bytes, topics: Sequence[str]) -> Position:
-        keys = [meta_key(stream), history_key(stream)]
+    async def append(
+        self, stream: str, data: bytes, topics: Sequence[str], event_id: str | None = None
+    ) -> Position:
+        keys = append_keys(stream, event_id)
         if not self._sharded:
-            reply = await self._append(keys, self._append_args(stream, data, topics))
+            (reply,) = await self._appends.run([(keys, self._append_args(data, topics))])
             return _position(reply)
         slot = key_slot(keys[0].encode())
         here = [t for t in topics if key_slot(channel_for(t).encode()) == slot]
         elsewhere = [t for t in topics if t not in here]
-        args = self._append_args(stream, data, here)
+        args = self._append_args(data, here)
         deadline = time.monotonic() + self._failover_deadline
         reply = await through_failover(lambda: self._append(keys, args), deadline)
         position = _position(reply)
-        if elsewhere:
+        if elsewhere and len(reply) == 2:  # a repeated event id published nothing
             message = encode_positioned(position.epoch, position.offset, data)
             for topic in elsewhere:
                 publish = partial(self._client.spublish, channel_for(topic), message)
@@ -169,8 +205,8 @@ class RedisStreams:
                 return [await self.append(*items[0])]
             positions: dict[int, Position] = {}
             by_stream: dict[str, list[int]] = {}
-            for index, (stream, _, _) in enumerate(items):
-                by_stream.setdefault(stream, []).append(index)
+            for index, item in enumerate(items):
+                by_stream.setdefault(item.stream, []).append(index)
 
             async def in_order(indexes: list[int]) -> None:
                 for index in indexes:
@@ -178,14 +214,12 @@ class RedisStreams:
 
             await asyncio.gather(*(in_order(indexes) for indexes in by_stream.values()))
             return [positions[index] for index in range(len(items))]
-        if len(items) == 1:
-            stream, data, topics = items[0]
-            return [await self.append(stream, data, topics)]
-        async with self._client.pipeline(transaction=False) as pipe:
-            for stream, data, topics in items:
-                keys = [meta_key(stream), history_key(stream)]
-                await self._append(keys, self._append_args(stream, data, topics), client=pipe)
-            replies = await pipe.execute()
+        replies = await self._appends.run(
+            [
+                (append_keys(item.stream, item.event_id), self._append_args(item.data, item.topics))
+                for item in items
+            ]
+        )
         return [_position(reply) for reply in replies]
 
     async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
@@ -206,5 +240,4 @@ def _text(value: Any) -> str:
 
 
 def _position(reply: Any) -> Position:
-    epoch, offset = reply
-    return Position(_text(epoch), int(offset))
+    return Position(_text(reply[0]), int(reply[1]))

@@ -16,29 +16,48 @@ Limits (``Settings``): ``history_size`` events per stream, kept
 ``history_ttl`` seconds after the stream's last event; the epoch and top live
 ``stream_meta_ttl`` seconds after the last event, so a client away longer than
 the history still learns that it must refetch.
+
+Idempotent append: an append may name its event (``event_id``: an SQS
+MessageId, a notification row's key). An id already appended to that stream
+within ``event_id_ttl`` (15 minutes) gets back the position it took then, and
+nothing is kept or published again. This makes a retried append harmless: a
+consumer that died between publishing and recording it, or a client library
+that resent a script after a dropped connection.
 """
 
 from __future__ import annotations
 
+import random
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from protocol.envelope import encode_positioned
 from protocol.messages import Position
 from protocol.streams import HistoryRead
 from server.bus.memory import MemoryBus
 
-Append = tuple[str, bytes, Sequence[str]]
-"""One event to append: (stream, envelope bytes, bus topics to publish it on)."""
+
+class Append(NamedTuple):
+    """One event to append to one stream."""
+
+    stream: str
+    data: bytes
+    """The envelope."""
+    topics: Sequence[str]
+    """The bus topics to publish it on, positioned."""
+    event_id: str | None = None
+    """Names the event: appended to this stream once within ``event_id_ttl``."""
 
 
 def new_epoch() -> str:
-    """A short random epoch: distinct from every earlier epoch of the stream."""
-    return uuid.uuid4().hex[:10]
+    """A short random epoch: distinct from every earlier epoch of the stream.
+
+    Redis appends send one with every event (used only when the stream has
+    none), so it must be cheap: no system call, unlike ``uuid4``. Not a secret."""
+    return f"{random.getrandbits(40):010x}"
 
 
 @dataclass(frozen=True)
@@ -46,6 +65,9 @@ class StreamLimits:
     history_size: int = 50
     history_ttl: float = 900.0
     meta_ttl: float = 24 * 3600.0
+    event_id_ttl: float = 900.0
+    """How long an appended event id is remembered: longer than any redelivery
+    (SQS's visibility timeout, a dedup claim) that could bring the event back."""
 
 
 DEFAULT_LIMITS = StreamLimits()
@@ -58,9 +80,14 @@ class Streams(Protocol):
 
     async def close(self) -> None: ...
 
-    async def append(self, stream: str, data: bytes, topics: Sequence[str]) -> Position:
+    async def append(
+        self, stream: str, data: bytes, topics: Sequence[str], event_id: str | None = None
+    ) -> Position:
         """Give ``data`` the next position of ``stream``, keep it in the history,
-        and publish it positioned on each of ``topics``: one atomic step."""
+        and publish it positioned on each of ``topics``: one atomic step.
+
+        With ``event_id`` seen on ``stream`` within ``event_id_ttl``: only return
+        the position it took then."""
 
     async def append_many(self, items: Sequence[Append]) -> list[Position]:
         """``append`` for each item, in order (pipelined where it can be)."""
@@ -97,6 +124,9 @@ class MemoryStreams:
         self._limits = limits
         self._clock = clock
         self._streams: dict[str, _MemoryStream] = bus.hub.streams
+        # (stream, event id) -> (its position, forgotten at): shared on the hub
+        # like the streams, as the id keys in Redis are by every node.
+        self._event_ids: dict[tuple[str, str], tuple[Position, float]] = bus.hub.event_ids
         self._appends = 0
 
     async def start(self) -> None:
@@ -115,14 +145,23 @@ class MemoryStreams:
             state.forget_history()
         return state
 
-    async def append(self, stream: str, data: bytes, topics: Sequence[str]) -> Position:
-        return self._append(stream, data, topics)
+    async def append(
+        self, stream: str, data: bytes, topics: Sequence[str], event_id: str | None = None
+    ) -> Position:
+        return self._append(stream, data, topics, event_id)
 
-    def _append(self, stream: str, data: bytes, topics: Sequence[str]) -> Position:
+    def _append(
+        self, stream: str, data: bytes, topics: Sequence[str], event_id: str | None
+    ) -> Position:
         now = self._clock()
         self._appends += 1
         if self._appends % SWEEP_EVERY == 0:
             self._sweep(now)
+        if event_id is not None:
+            self._forget_event_ids(now)
+            seen = self._event_ids.get((stream, event_id))
+            if seen is not None:
+                return seen[0]
         state = self._stream(stream, now)
         state.top += 1
         state.last_event = now
@@ -133,10 +172,22 @@ class MemoryStreams:
         message = encode_positioned(state.epoch, state.top, data)
         for topic in topics:
             self._bus.publish_now(topic, message)
-        return Position(state.epoch, state.top)
+        position = Position(state.epoch, state.top)
+        if event_id is not None:
+            self._event_ids[stream, event_id] = (position, now + self._limits.event_id_ttl)
+        return position
+
+    def _forget_event_ids(self, now: float) -> None:
+        # One ttl for all and a monotonic clock: insertion order is expiry order.
+        ids = self._event_ids
+        while ids:
+            key = next(iter(ids))
+            if ids[key][1] > now:
+                return
+            del ids[key]
 
     async def append_many(self, items: Sequence[Append]) -> list[Position]:
-        return [self._append(stream, data, topics) for stream, data, topics in items]
+        return [self._append(*item) for item in items]
 
     async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
         state = self._stream(stream, self._clock())
@@ -152,6 +203,7 @@ class MemoryStreams:
                 del self._streams[name]
             elif idle > limits.history_ttl:
                 state.forget_history()
+        self._forget_event_ids(now)
 
     def stream_count(self) -> int:
         return len(self._streams)

@@ -15,6 +15,10 @@ door as ``POST /publish``, so the backend changes nothing on day one.
   bridge (competing consumers) and each message reaches clients once. A message
   another node is publishing right now is handed back to the queue for a few
   seconds and then found done.
+  A consumer killed between publishing and marking done leaves a claim that
+  expires, and another node publishes the message again: that append names the
+  MessageId as its event id, so the stream answers the position it took the
+  first time and publishes nothing (``server/bus/streams.py``).
 - **Poison.** A body that does not parse is logged with its MessageId, counted
   and deleted: the live queue has no dead-letter queue, and retrying cannot fix it.
 """
@@ -324,7 +328,9 @@ class SqsBridge:
                 later.append(message)
             else:
                 try:
-                    await self._node.publish(event, require_cluster=True)
+                    await self._node.publish(
+                        event, require_cluster=True, event_id=message.message_id
+                    )
                 except Exception as exc:
                     ok = False
                     errors.inc()

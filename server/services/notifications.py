@@ -10,7 +10,18 @@ every open tab, recoverable after a reconnect. The backend changes nothing.
 Publishing is idempotent per record: each record's ``eventID`` is claimed in the
 dedup store before it is published and marked done after, so a batch read again
 after a crash or a lease handover (published, not yet checkpointed) is not
-pushed twice.
+pushed twice. Beneath that, the append names the event by the row's ``sk``
+(``<epochMs>#<random>``), so a reader killed between publishing and marking done
+(its claim expires, the next reader publishes again) still appends it once.
+
+Why the ``sk`` and not the ``eventID``: both are the same in every redelivery
+of one stream record (a re-read after a crash or a handover), so either stops
+that duplicate. The ``sk`` is the notification's own identity, though: unique
+within the user's partition, which is exactly the scope of the id (one user
+stream), always present (a row without one is not pushed, while ``eventID`` is
+optional here), and what clients see and dismiss by (``payload.sk``). The
+``eventID`` names a stream record: the same row put again after a delete is a
+new record, and would be pushed again.
 """
 
 from __future__ import annotations
@@ -177,5 +188,5 @@ class NotificationPush:
                 reason,
             )
             return
-        await self._node.publish(message, require_cluster=True)
+        await self._node.publish(message, require_cluster=True, event_id=notification.sk)
         pushed.inc()

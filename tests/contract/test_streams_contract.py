@@ -12,7 +12,10 @@ What every implementation promises (``server/bus/streams.py``):
   ``history_ttl`` after the last event;
 - a stream never written gets an epoch on ``read``, at top 0, and the next
   ``append`` continues that epoch;
-- streams are independent.
+- streams are independent;
+- an append naming an event id already appended to that stream within
+  ``event_id_ttl`` returns the position it took then, and keeps and publishes
+  nothing; the id is per stream, and forgotten after its ttl.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from server.bus import Bus, MemoryBus, MemoryHub
 from server.bus.redis_bus import RedisBus
 from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.redis_streams import RedisStreams
-from server.bus.streams import MemoryStreams, StreamLimits, Streams
+from server.bus.streams import Append, MemoryStreams, StreamLimits, Streams
 from tests.contract.test_bus_contract import Receiver
 from tests.redis_cluster import RedisCluster
 from tests.services import redis_url_for_tests
@@ -192,11 +195,72 @@ async def test_append_many_keeps_order_and_streams_apart(new_pair: PairFactory) 
     pair = await new_pair(StreamLimits())
     prefix = uuid.uuid4().hex[:8]
     a, b = f"user:{prefix}-a", f"user:{prefix}-b"
-    positions = await pair.streams.append_many([(a, b"1", ()), (b, b"1", ()), (a, b"2", ())])
+    positions = await pair.streams.append_many(
+        [Append(a, b"1", ()), Append(b, b"1", ()), Append(a, b"2", ())]
+    )
     assert [p.offset for p in positions] == [1, 1, 2]
     assert positions[0].epoch == positions[2].epoch
     assert (await pair.streams.read(a, 0)).entries == ((1, b"1"), (2, b"2"))
     assert (await pair.streams.read(b, 0)).entries == ((1, b"1"),)
+
+
+async def test_the_same_event_id_twice_takes_one_offset_and_one_publish(
+    new_pair: PairFactory, stream: str
+) -> None:
+    pair = await new_pair(StreamLimits())
+    legacy = stream + "-legacy"  # another slot on a Redis Cluster, like ap:{games}
+    topics = (stream, legacy)
+    await pair.inbox.bus.subscribe(list(topics))
+    first = await pair.streams.append(stream, b"e1", topics, "msg-1")
+    again = await pair.streams.append(stream, b"e1 resent", topics, "msg-1")
+    many = await pair.streams.append_many([Append(stream, b"e1 third", topics, "msg-1")])
+    other = await pair.streams.append(stream, b"e2", topics, "msg-2")
+    plain = await pair.streams.append(stream, b"e3", topics)
+    assert again == first and many == [first]
+    assert [first.offset, other.offset, plain.offset] == [1, 2, 3]
+    assert (await pair.streams.read(stream, 0)).entries == ((1, b"e1"), (2, b"e2"), (3, b"e3"))
+    for topic in topics:
+        await pair.inbox.wait_count(topic, 3)
+    await asyncio.sleep(0.2)  # room for a publish of the repeats to arrive
+    for topic in topics:
+        got = [decode_positioned(data) for data in pair.inbox.on(topic)]
+        assert [(p.offset, p.data) for p in got] == [(1, b"e1"), (2, b"e2"), (3, b"e3")]
+
+
+async def test_an_event_id_is_remembered_per_stream(new_pair: PairFactory) -> None:
+    pair = await new_pair(StreamLimits())
+    prefix = uuid.uuid4().hex[:8]
+    a, b = f"user:{prefix}-a", f"user:{prefix}-b"
+    await pair.streams.append(a, b"earlier", ())
+    # One event to two users: each user stream takes it once.
+    first = await pair.streams.append_many([Append(a, b"x", (), "m"), Append(b, b"x", (), "m")])
+    again = await pair.streams.append_many([Append(a, b"x", (), "m"), Append(b, b"x", (), "m")])
+    assert [p.offset for p in first] == [2, 1]
+    assert again == first
+    assert (await pair.streams.read(b, 0)).entries == ((1, b"x"),)
+
+
+async def test_an_event_id_is_forgotten_after_its_ttl(new_pair: PairFactory, stream: str) -> None:
+    pair = await new_pair(StreamLimits(event_id_ttl=1))
+    first = await pair.streams.append(stream, b"e1", (), "msg-1")
+    await asyncio.sleep(2.1)  # Redis expires keys to the second
+    later = await pair.streams.append(stream, b"e1", (), "msg-1")
+    assert (first.offset, later.offset) == (1, 2)
+
+
+async def test_memory_streams_forget_event_ids_after_their_ttl() -> None:
+    now = [0.0]
+    streams = MemoryStreams(MemoryBus(), StreamLimits(), clock=lambda: now[0])
+    first = await streams.append("game:m#g", b"e1", (), "msg-1")
+    now[0] = 899.0
+    assert await streams.append("game:m#g", b"e1", (), "msg-1") == first
+    await streams.append("game:m#g", b"e2", (), "msg-2")
+    now[0] = 901.0
+    assert (await streams.append("game:m#g", b"e1", (), "msg-1")).offset == 3
+    # msg-1 is remembered again, msg-2 (from 899 s) still is.
+    assert (await streams.append("game:m#g", b"e2", (), "msg-2")).offset == 2
+    now[0] = 1800.0
+    assert (await streams.append("game:m#g", b"e2", (), "msg-2")).offset == 4
 
 
 async def test_memory_streams_forget_idle_streams() -> None:
