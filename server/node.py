@@ -29,7 +29,6 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +80,8 @@ from server.bus.topics import (
     game_topic,
 )
 from server.config import Settings
-from server.connection import Session, send_frame
+from server.connection import Session, send_frame, send_frames
+from server.history_reads import HistoryReads
 from server.metrics import REGISTRY
 from server.presence import (
     LocalPresence,
@@ -100,6 +100,7 @@ from server.services.game_lock import GameLocks, MemoryGameLocks
 from server.services.last_seen import LastSeen
 from server.services.rate_limit import MemoryRateLimiter, RateLimiter
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
+from server.subscriptions import SubscribeBatcher
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +153,6 @@ class Coordination:
 
 STOP_DRAIN_SECONDS = 2.0
 
-HISTORY_READS_IN_FLIGHT = 16
-"""History reads a node runs at once: half the Redis pool (32), leaving the rest
-for publishes and presence."""
-
 REPLAY_FRAME_CACHE = 4096
 """Replayed frames kept for other clients recovering the same events."""
 
@@ -195,12 +192,10 @@ class Node:
         self.cursors: dict[str, StreamCursor] = {}
         # Streams whose hole is being filled from history -> events that arrived meanwhile.
         self._repairing: dict[str, list[tuple[PositionedData, Broadcast]]] = {}
-        self._reads: dict[tuple[str, int], asyncio.Future[HistoryRead[Broadcast]]] = {}
-        # A reconnect storm asks for thousands of history reads at once. They
-        # queue here, where they wait as long as it takes (live events are
-        # buffered meanwhile), not in the Redis pool, whose waiters fail after
-        # its timeout and would turn a slow recovery into recovered:false.
-        self._read_gate = asyncio.Semaphore(HISTORY_READS_IN_FLIGHT)
+        # Every history read (recovery, repair) goes out in batches.
+        self.history = HistoryReads(streams)
+        # And every subscribe a recovery waits for, so a storm's are a few calls.
+        self._recovery_subscribes = SubscribeBatcher(bus)
         # Replayed frames, shared by every client recovering the same events.
         self._replay_frames: OrderedDict[tuple[str, str, int, bool], Frame] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
@@ -363,6 +358,8 @@ class Node:
             await self.store.delete_endpoint_connections(self.node_id)
         for task in list(self._background):
             task.cancel()
+        await self.history.close()
+        await self._recovery_subscribes.close()
         await self.bus.close()
         await self.streams.close()
         await self.presence_backend.close()
@@ -821,7 +818,7 @@ class Node:
         history: HistoryRead[Broadcast] | None = None
         if cursor is not None:
             try:
-                history = await self._read(stream, cursor.offset)
+                history = await self.history.read(stream, cursor.offset)
             except Exception as exc:
                 log.warning("history of %s unreadable, its watchers must refetch: %s", stream, exc)
         pending = self._repairing.pop(stream, [])
@@ -848,32 +845,6 @@ class Node:
         # Arrival order is stream order (Redis publishes a stream's events in order).
         for positioned, message in pending:
             self._step(stream, positioned, message, repairing=True)
-
-    async def _read(self, stream: str, after: int) -> HistoryRead[Broadcast]:
-        """Read and decode a stream's history; concurrent reads of the same range
-        (a reconnect storm) share one round trip and one decoding."""
-        key = (stream, after)
-        shared = self._reads.get(key)
-        if shared is None:
-            shared = asyncio.ensure_future(self._read_decoded(stream, after))
-            self._reads[key] = shared
-            shared.add_done_callback(self._read_done(key))
-        return await asyncio.shield(shared)
-
-    def _read_done(
-        self, key: tuple[str, int]
-    ) -> Callable[[asyncio.Future[HistoryRead[Broadcast]]], None]:
-        def done(future: asyncio.Future[HistoryRead[Broadcast]]) -> None:
-            self._reads.pop(key, None)
-            if not future.cancelled():
-                future.exception()  # retrieved here: every waiter may have gone
-
-        return done
-
-    async def _read_decoded(self, stream: str, after: int) -> HistoryRead[Broadcast]:
-        async with self._read_gate:
-            history = await self.streams.read(stream, after)
-        return HistoryRead(history.epoch, history.top, tuple(_decode_entries(history.entries)))
 
     def _recipients(self, stream: str) -> set[Session]:
         game = stream_game(stream)
@@ -990,20 +961,24 @@ class Node:
         streams = {game_stream(key) for key in session.watching}
         streams.add(user_stream(session.user_id))
         try:
-            await self.bus.subscribe(sorted(streams))
+            await self._recovery_subscribes.subscribe(streams)
         except Exception as exc:
             log.warning("subscribe before recovery failed: %s", exc)
         if not wanted:
             return
         reads = await asyncio.gather(
-            *(self._read(stream, position.offset) for stream, position in wanted),
+            *(self.history.read(stream, position.offset) for stream, position in wanted),
             return_exceptions=True,
         )
+        # Every stream's answer in one write: one system call per client, not per event.
+        # Nothing is awaited until it is written, so no live event comes between.
+        out: list[Frame] = []
         for (stream, position), history in zip(wanted, reads, strict=True):
             buffered = session.recovering.pop(stream, None)
             if buffered is None:
                 continue  # the session stopped watching meanwhile
-            self._answer(session, stream, position, history, buffered)
+            self._answer(session, stream, position, history, buffered, out)
+        send_frames(session, out, self._outbox_limit)
 
     def _answer(
         self,
@@ -1012,6 +987,7 @@ class Node:
         since: Position,
         history: HistoryRead[Broadcast] | BaseException,
         buffered: list[tuple[str, int, Broadcast]],
+        out: list[Frame],
     ) -> None:
         recoveries.inc()
         positions = session.positions
@@ -1020,21 +996,19 @@ class Node:
             log.warning("history of %s unreadable during recovery: %s", stream, history)
             recoveries_failed.inc()
             epoch, top = (buffered[0][0], buffered[0][1] - 1) if buffered else (since.epoch, 0)
-            session.send(Frame(Recovered(stream, False, epoch, top)), self._outbox_limit)
+            out.append(Frame(Recovered(stream, False, epoch, top)))
             positions[stream] = (epoch, top)
-            self._send_buffered(session, stream, epoch, top, buffered)
+            self._send_buffered(session, stream, epoch, top, buffered, out)
             return
         plan = merge_recovery(since, history, buffered)
         for offset, message in plan.events:
-            self._send_one(session, stream, plan.epoch, offset, message)
+            self._send_one(session, stream, plan.epoch, offset, message, out)
         if not plan.recovered:
             recoveries_failed.inc()
-        session.send(
-            Frame(Recovered(stream, plan.recovered, plan.epoch, plan.offset)), self._outbox_limit
-        )
+        out.append(Frame(Recovered(stream, plan.recovered, plan.epoch, plan.offset)))
         positions[stream] = (plan.epoch, plan.offset)
         if not plan.recovered:
-            self._send_buffered(session, stream, plan.epoch, plan.offset, buffered)
+            self._send_buffered(session, stream, plan.epoch, plan.offset, buffered, out)
 
     def _send_buffered(
         self,
@@ -1043,13 +1017,20 @@ class Node:
         epoch: str,
         top: int,
         buffered: list[tuple[str, int, Broadcast]],
+        out: list[Frame],
     ) -> None:
         for live_epoch, offset, message in buffered:
             if live_epoch == epoch and offset > top:
-                self._send_one(session, stream, epoch, offset, message)
+                self._send_one(session, stream, epoch, offset, message, out)
 
     def _send_one(
-        self, session: Session, stream: str, epoch: str, offset: int, message: Broadcast
+        self,
+        session: Session,
+        stream: str,
+        epoch: str,
+        offset: int,
+        message: Broadcast,
+        out: list[Frame],
     ) -> None:
         assert session.positions is not None
         session.positions[stream] = (epoch, offset)
@@ -1065,7 +1046,7 @@ class Node:
             self._replay_frames[key] = frame
             if len(self._replay_frames) > REPLAY_FRAME_CACHE:
                 self._replay_frames.popitem(last=False)
-        session.send(frame, self._outbox_limit)
+        out.append(frame)
 
     async def _delta_loop(self) -> None:
         while True:
@@ -1107,20 +1088,6 @@ class Node:
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
         send_frame(self.presence_watchers, self.view.snapshot_frame(), self._outbox_limit)
-
-
-def _decode_entries(entries: tuple[tuple[int, bytes], ...]) -> list[tuple[int, Broadcast]]:
-    """History entries as messages; one that cannot be read ends the run (a hole)."""
-    decoded: list[tuple[int, Broadcast]] = []
-    for offset, data in entries:
-        try:
-            envelope = decode_envelope(data)
-        except EnvelopeError:
-            break
-        if not isinstance(envelope, Broadcast):
-            break
-        decoded.append((offset, envelope))
-    return decoded
 
 
 _KeptState = tuple[dict[str, tuple[str, int]], dict[str, list[tuple[str, int, Broadcast]]]]
