@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from protocol.envelope import EnvelopeError, decode_envelope
@@ -32,6 +33,9 @@ is a reply of a few MB at worst, and Redis runs it in a few ms."""
 BATCHES_IN_FLIGHT = 2
 """Round trips out at once: one is read while the next is answered. Each holds
 one pool connection, leaving the rest for publishes and presence."""
+DECODED_CACHE = 16384
+"""Decoded events kept, least recently used out: a storm reads the same streams
+again and again, and an event's bytes at one position never change."""
 
 history_batches = REGISTRY.counter(
     "ap_stream_history_batches_total", "Round trips that read stream histories"
@@ -56,6 +60,7 @@ class HistoryReads:
         self._queued: dict[HistoryAsk, asyncio.Future[DecodedRead]] = {}
         self._batches: set[asyncio.Task[None]] = set()
         self._scheduled = False
+        self._decoded: OrderedDict[tuple[str, str, int], Broadcast] = OrderedDict()
 
     async def read(self, stream: str, after: int) -> DecodedRead:
         """The stream's history after ``after``, decoded, read after this call."""
@@ -105,9 +110,31 @@ class HistoryReads:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
-        for future, read in zip(batch.values(), reads, strict=True):
+        for (stream, _), future, read in zip(batch, batch.values(), reads, strict=True):
             if not future.done():
-                future.set_result(HistoryRead(read.epoch, read.top, decode_entries(read.entries)))
+                entries = self._decode(stream, read.epoch, read.entries)
+                future.set_result(HistoryRead(read.epoch, read.top, entries))
+
+    def _decode(
+        self, stream: str, epoch: str, entries: Sequence[tuple[int, bytes]]
+    ) -> tuple[tuple[int, Broadcast], ...]:
+        """History entries as messages; one that cannot be read ends the run (a hole)."""
+        cache = self._decoded
+        decoded: list[tuple[int, Broadcast]] = []
+        for offset, data in entries:
+            key = (stream, epoch, offset)
+            message = cache.get(key)
+            if message is not None:
+                cache.move_to_end(key)
+            else:
+                message = _decode_one(data)
+                if message is None:
+                    break
+                cache[key] = message
+                if len(cache) > DECODED_CACHE:
+                    cache.popitem(last=False)
+            decoded.append((offset, message))
+        return tuple(decoded)
 
     async def close(self) -> None:
         for future in self._queued.values():
@@ -127,15 +154,9 @@ def _retrieve(future: asyncio.Future[DecodedRead]) -> None:
         future.exception()
 
 
-def decode_entries(entries: Sequence[tuple[int, bytes]]) -> tuple[tuple[int, Broadcast], ...]:
-    """History entries as messages; one that cannot be read ends the run (a hole)."""
-    decoded: list[tuple[int, Broadcast]] = []
-    for offset, data in entries:
-        try:
-            envelope = decode_envelope(data)
-        except EnvelopeError:
-            break
-        if not isinstance(envelope, Broadcast):
-            break
-        decoded.append((offset, envelope))
-    return tuple(decoded)
+def _decode_one(data: bytes) -> Broadcast | None:
+    try:
+        envelope = decode_envelope(data)
+    except EnvelopeError:
+        return None
+    return envelope if isinstance(envelope, Broadcast) else None

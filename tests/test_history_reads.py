@@ -139,3 +139,17 @@ async def test_close_cancels_what_waits() -> None:
     for task in (out, queued):
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_events_are_decoded_once_across_batches_and_junk_ends_the_run() -> None:
+    streams = CountingStreams()
+    await append(streams, "a", 2)
+    await streams.append("game:chess#a", b"not an envelope", ())
+    await append(streams, "a", 1)
+    reads = HistoryReads(streams)
+    first = await reads.read("game:chess#a", 0)
+    second = await reads.read("game:chess#a", 0)
+    assert len(streams.batches) == 2
+    assert first.top == second.top == 4
+    assert numbers(first) == numbers(second) == [0, 1]  # the hole at 3 ends what is usable
+    assert all(a[1] is b[1] for a, b in zip(first.entries, second.entries, strict=True))
