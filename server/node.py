@@ -53,6 +53,7 @@ from protocol.messages import (
     Positioned,
     PresenceDelta,
     Recovered,
+    ServerMessage,
     Since,
     Skip,
     Subscribe,
@@ -81,7 +82,8 @@ from server.bus.topics import (
     game_topic,
 )
 from server.config import Settings
-from server.connection import Session, send_frame
+from server.connection import Session, send_frame, send_frames
+from server.history_reads import HistoryReads
 from server.metrics import REGISTRY
 from server.presence import (
     LocalPresence,
@@ -100,6 +102,7 @@ from server.services.game_lock import GameLocks, MemoryGameLocks
 from server.services.last_seen import LastSeen
 from server.services.rate_limit import MemoryRateLimiter, RateLimiter
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
+from server.subscriptions import SubscribeBatcher
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +155,10 @@ class Coordination:
 
 STOP_DRAIN_SECONDS = 2.0
 
-HISTORY_READS_IN_FLIGHT = 16
-"""History reads a node runs at once: half the Redis pool (32), leaving the rest
-for publishes and presence."""
-
-REPLAY_FRAME_CACHE = 4096
-"""Replayed frames kept for other clients recovering the same events."""
+REPLAY_FRAME_CACHE = 16384
+"""Replayed frames (and ``recovered: true`` answers) kept, least recently used
+out, for other clients recovering the same events: a storm over 1,000 games
+with 10 missed events each replays 10,000 distinct frames (about 1 KB each)."""
 
 
 class Node:
@@ -195,14 +196,12 @@ class Node:
         self.cursors: dict[str, StreamCursor] = {}
         # Streams whose hole is being filled from history -> events that arrived meanwhile.
         self._repairing: dict[str, list[tuple[PositionedData, Broadcast]]] = {}
-        self._reads: dict[tuple[str, int], asyncio.Future[HistoryRead[Broadcast]]] = {}
-        # A reconnect storm asks for thousands of history reads at once. They
-        # queue here, where they wait as long as it takes (live events are
-        # buffered meanwhile), not in the Redis pool, whose waiters fail after
-        # its timeout and would turn a slow recovery into recovered:false.
-        self._read_gate = asyncio.Semaphore(HISTORY_READS_IN_FLIGHT)
+        # Every history read (recovery, repair) goes out in batches.
+        self.history = HistoryReads(streams)
+        # And every subscribe a recovery waits for, so a storm's are a few calls.
+        self._recovery_subscribes = SubscribeBatcher(bus)
         # Replayed frames, shared by every client recovering the same events.
-        self._replay_frames: OrderedDict[tuple[str, str, int, bool], Frame] = OrderedDict()
+        self._replay_frames: OrderedDict[tuple[str, str, int, str], Frame] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
         self._outbox_limit = settings.outbox_limit_bytes
         self._topics: CoalescingFlusher[str, bool] = CoalescingFlusher(
@@ -363,6 +362,8 @@ class Node:
             await self.store.delete_endpoint_connections(self.node_id)
         for task in list(self._background):
             task.cancel()
+        await self.history.close()
+        await self._recovery_subscribes.close()
         await self.bus.close()
         await self.streams.close()
         await self.presence_backend.close()
@@ -505,16 +506,25 @@ class Node:
         assert session.user_id is not None
         if not self._games_allowed(session, session.user_id, games, len(session.watching)):
             return
-        kept = _kept_state(session, {game_stream(key) for key in games & session.watching})
-        self._unindex_games(session)
-        if since is not None and session.positions is None:
-            session.positions = {}
-        session.watching = games
-        session.watch_version = 1
-        self._index_games(session)
-        _restore_state(session, kept)
-        session.row_ttl = ttl_from_now()
-        self.registry.watch(session.connection_id, games, 1, session.row_ttl)
+        unchanged = (
+            games == session.watching
+            and session.watch_version == 1
+            and (since is None or session.speaks_streams)
+        )
+        # The browser sends the same watchGames after its subscribe, 250 ms and
+        # 1 s later: nothing to re-index, and no row write (in a reconnect storm,
+        # three store writes per client that change nothing).
+        if not unchanged:
+            kept = _kept_state(session, {game_stream(key) for key in games & session.watching})
+            self._unindex_games(session)
+            if since is not None and session.positions is None:
+                session.positions = {}
+            session.watching = games
+            session.watch_version = 1
+            self._index_games(session)
+            _restore_state(session, kept)
+            session.row_ttl = ttl_from_now()
+            self.registry.watch(session.connection_id, games, 1, session.row_ttl)
         if since is not None:
             await self.recover(session, since)
 
@@ -826,7 +836,7 @@ class Node:
         history: HistoryRead[Broadcast] | None = None
         if cursor is not None:
             try:
-                history = await self._read(stream, cursor.offset)
+                history = await self.history.read(stream, cursor.offset)
             except Exception as exc:
                 log.warning("history of %s unreadable, its watchers must refetch: %s", stream, exc)
         pending = self._repairing.pop(stream, [])
@@ -853,32 +863,6 @@ class Node:
         # Arrival order is stream order (Redis publishes a stream's events in order).
         for positioned, message in pending:
             self._step(stream, positioned, message, repairing=True)
-
-    async def _read(self, stream: str, after: int) -> HistoryRead[Broadcast]:
-        """Read and decode a stream's history; concurrent reads of the same range
-        (a reconnect storm) share one round trip and one decoding."""
-        key = (stream, after)
-        shared = self._reads.get(key)
-        if shared is None:
-            shared = asyncio.ensure_future(self._read_decoded(stream, after))
-            self._reads[key] = shared
-            shared.add_done_callback(self._read_done(key))
-        return await asyncio.shield(shared)
-
-    def _read_done(
-        self, key: tuple[str, int]
-    ) -> Callable[[asyncio.Future[HistoryRead[Broadcast]]], None]:
-        def done(future: asyncio.Future[HistoryRead[Broadcast]]) -> None:
-            self._reads.pop(key, None)
-            if not future.cancelled():
-                future.exception()  # retrieved here: every waiter may have gone
-
-        return done
-
-    async def _read_decoded(self, stream: str, after: int) -> HistoryRead[Broadcast]:
-        async with self._read_gate:
-            history = await self.streams.read(stream, after)
-        return HistoryRead(history.epoch, history.top, tuple(_decode_entries(history.entries)))
 
     def _recipients(self, stream: str) -> set[Session]:
         game = stream_game(stream)
@@ -995,20 +979,24 @@ class Node:
         streams = {game_stream(key) for key in session.watching}
         streams.add(user_stream(session.user_id))
         try:
-            await self.bus.subscribe(sorted(streams))
+            await self._recovery_subscribes.subscribe(streams)
         except Exception as exc:
             log.warning("subscribe before recovery failed: %s", exc)
         if not wanted:
             return
         reads = await asyncio.gather(
-            *(self._read(stream, position.offset) for stream, position in wanted),
+            *(self.history.read(stream, position.offset) for stream, position in wanted),
             return_exceptions=True,
         )
+        # Every stream's answer in one write: one system call per client, not per event.
+        # Nothing is awaited until it is written, so no live event comes between.
+        out: list[Frame] = []
         for (stream, position), history in zip(wanted, reads, strict=True):
             buffered = session.recovering.pop(stream, None)
             if buffered is None:
                 continue  # the session stopped watching meanwhile
-            self._answer(session, stream, position, history, buffered)
+            self._answer(session, stream, position, history, buffered, out)
+        send_frames(session, out, self._outbox_limit)
 
     def _answer(
         self,
@@ -1017,6 +1005,7 @@ class Node:
         since: Position,
         history: HistoryRead[Broadcast] | BaseException,
         buffered: list[tuple[str, int, Broadcast]],
+        out: list[Frame],
     ) -> None:
         recoveries.inc()
         positions = session.positions
@@ -1025,21 +1014,24 @@ class Node:
             log.warning("history of %s unreadable during recovery: %s", stream, history)
             recoveries_failed.inc()
             epoch, top = (buffered[0][0], buffered[0][1] - 1) if buffered else (since.epoch, 0)
-            session.send(Frame(Recovered(stream, False, epoch, top)), self._outbox_limit)
+            out.append(Frame(Recovered(stream, False, epoch, top)))
             positions[stream] = (epoch, top)
-            self._send_buffered(session, stream, epoch, top, buffered)
+            self._send_buffered(session, stream, epoch, top, buffered, out)
             return
         plan = merge_recovery(since, history, buffered)
         for offset, message in plan.events:
-            self._send_one(session, stream, plan.epoch, offset, message)
+            self._send_one(session, stream, plan.epoch, offset, message, out)
         if not plan.recovered:
             recoveries_failed.inc()
-        session.send(
-            Frame(Recovered(stream, plan.recovered, plan.epoch, plan.offset)), self._outbox_limit
-        )
+        if plan.recovered:
+            answer = Recovered(stream, True, plan.epoch, plan.offset)
+            key = (stream, plan.epoch, plan.offset, "recovered")
+            out.append(self._replay_frame(key, lambda: answer))
+        else:
+            out.append(Frame(Recovered(stream, False, plan.epoch, plan.offset)))
         positions[stream] = (plan.epoch, plan.offset)
         if not plan.recovered:
-            self._send_buffered(session, stream, plan.epoch, plan.offset, buffered)
+            self._send_buffered(session, stream, plan.epoch, plan.offset, buffered, out)
 
     def _send_buffered(
         self,
@@ -1048,29 +1040,46 @@ class Node:
         epoch: str,
         top: int,
         buffered: list[tuple[str, int, Broadcast]],
+        out: list[Frame],
     ) -> None:
         for live_epoch, offset, message in buffered:
             if live_epoch == epoch and offset > top:
-                self._send_one(session, stream, epoch, offset, message)
+                self._send_one(session, stream, epoch, offset, message, out)
 
     def _send_one(
-        self, session: Session, stream: str, epoch: str, offset: int, message: Broadcast
+        self,
+        session: Session,
+        stream: str,
+        epoch: str,
+        offset: int,
+        message: Broadcast,
+        out: list[Frame],
     ) -> None:
         assert session.positions is not None
         session.positions[stream] = (epoch, offset)
-        skip = session.user_id in message.exclude
-        key = (stream, epoch, offset, skip)
-        frame = self._replay_frames.get(key)
-        if frame is None:
-            event = message.event
-            assert isinstance(event, GameEvent | UserEvent)
-            frame = Frame(
-                Skip(stream, epoch, offset) if skip else Positioned(event, stream, epoch, offset)
-            )
-            self._replay_frames[key] = frame
-            if len(self._replay_frames) > REPLAY_FRAME_CACHE:
-                self._replay_frames.popitem(last=False)
-        session.send(frame, self._outbox_limit)
+        if session.user_id in message.exclude:
+            key = (stream, epoch, offset, "skip")
+            out.append(self._replay_frame(key, lambda: Skip(stream, epoch, offset)))
+            return
+        event = message.event
+        assert isinstance(event, GameEvent | UserEvent)
+        key = (stream, epoch, offset, "event")
+        out.append(self._replay_frame(key, lambda: Positioned(event, stream, epoch, offset)))
+
+    def _replay_frame(
+        self, key: tuple[str, str, int, str], build: Callable[[], ServerMessage]
+    ) -> Frame:
+        """The frame for ``key`` from the cache, or built and kept: the replay's
+        frames are the same for every client that missed the same events."""
+        frames = self._replay_frames
+        frame = frames.get(key)
+        if frame is not None:
+            frames.move_to_end(key)
+            return frame
+        frame = frames[key] = Frame(build())
+        if len(frames) > REPLAY_FRAME_CACHE:
+            frames.popitem(last=False)
+        return frame
 
     async def _delta_loop(self) -> None:
         while True:
@@ -1112,20 +1121,6 @@ class Node:
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
         send_frame(self.presence_watchers, self.view.snapshot_frame(), self._outbox_limit)
-
-
-def _decode_entries(entries: tuple[tuple[int, bytes], ...]) -> list[tuple[int, Broadcast]]:
-    """History entries as messages; one that cannot be read ends the run (a hole)."""
-    decoded: list[tuple[int, Broadcast]] = []
-    for offset, data in entries:
-        try:
-            envelope = decode_envelope(data)
-        except EnvelopeError:
-            break
-        if not isinstance(envelope, Broadcast):
-            break
-        decoded.append((offset, envelope))
-    return decoded
 
 
 _KeptState = tuple[dict[str, tuple[str, int]], dict[str, list[tuple[str, int, Broadcast]]]]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from server.registry import ConnectionRegistry, Delete, Put, Ttl, Watch, merge
 from server.store.base import ConnectionRecord
 from server.store.memory import MemoryStore
+from tests.conftest import TEST_SETTINGS, run_server
 
 
 def record(cid: str, **overrides: object) -> ConnectionRecord:
@@ -98,3 +99,40 @@ async def test_a_connect_burst_is_written_in_few_batches() -> None:
         assert len(store.batches) <= 2
     finally:
         await registry.close()
+
+
+class WatchCountingStore(FlakyStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.watch_writes: list[frozenset[str]] = []
+
+    async def update_watch(
+        self, connection_id: str, games: frozenset[str], watch_version: int, ttl: int
+    ) -> None:
+        self.watch_writes.append(games)
+        await super().update_watch(connection_id, games, watch_version, ttl)
+
+
+async def test_a_repeated_watch_games_writes_no_row_and_delivery_goes_on() -> None:
+    # The browser sends the same watchGames after subscribing, 250 ms and 1 s later.
+    store = WatchCountingStore()
+    writes = store.watch_writes
+    async with run_server(TEST_SETTINGS, store) as server:
+        client = await server.subscribed("alice", games=[("chess", "g1")], since={})
+        await server.node.registry.drained()
+        rows = len(store.batches)
+        for _ in range(3):
+            await client.watch([("chess", "g1")])
+        await client.roundtrip()
+        await server.node.registry.drained()
+        assert writes == [] and len(store.batches) == rows
+        status, _ = await server.publish(
+            {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 1}}
+        )
+        assert status == 202
+        await client.wait_for(lambda: client.offsets("game:chess#g1") == [1])
+        await client.watch([("chess", "g2")])
+        await client.roundtrip()
+        await server.node.registry.drained()
+        assert writes == [frozenset({"chess#g2"})]

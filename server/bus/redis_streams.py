@@ -47,7 +47,7 @@ from protocol.streams import HistoryRead
 from server.bus.coalesce import ScriptCoalescer
 from server.bus.redis_bus import channel_for, make_client
 from server.bus.redis_cluster_bus import RedisClusterBus, ShardScript, through_failover
-from server.bus.streams import DEFAULT_LIMITS, Append, StreamLimits, new_epoch
+from server.bus.streams import DEFAULT_LIMITS, Append, HistoryAsk, StreamLimits, new_epoch
 from server.cluster_lua import for_bus
 
 APPEND = """
@@ -222,21 +222,42 @@ class RedisStreams:
         )
         return [_position(reply) for reply in replies]
 
+    def _read_args(self, after: int) -> list[Any]:
+        limits = self._limits
+        return [after, limits.history_size, new_epoch(), max(1, int(limits.meta_ttl))]
+
     async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
         keys = [meta_key(stream), history_key(stream)]
-        limits = self._limits
-        epoch, top, raw = await self._read(
-            keys, [after, limits.history_size, new_epoch(), max(1, int(limits.meta_ttl))]
-        )
-        entries: list[tuple[int, bytes]] = []
-        for entry_id, fields in raw:
-            offset = int(bytes(entry_id).split(b"-", 1)[0])
-            entries.append((offset, bytes(fields[1])))
-        return HistoryRead(_text(epoch), int(top), tuple(entries))
+        return _history(await self._read(keys, self._read_args(after)))
+
+    async def read_many(self, asks: Sequence[HistoryAsk]) -> list[HistoryRead[bytes]]:
+        if not asks:
+            return []
+        if len(asks) == 1:
+            return [await self.read(*asks[0])]
+        if self._sharded:
+            # No pipeline spans slots, and each stream is a slot of its own: the
+            # reads go out at once, on each shard's connections.
+            return list(await asyncio.gather(*(self.read(s, after) for s, after in asks)))
+        async with self._client.pipeline(transaction=False) as pipe:
+            for stream, after in asks:
+                keys = [meta_key(stream), history_key(stream)]
+                await self._read(keys, self._read_args(after), client=pipe)
+            replies = await pipe.execute()
+        return [_history(reply) for reply in replies]
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _history(reply: Any) -> HistoryRead[bytes]:
+    epoch, top, raw = reply
+    entries: list[tuple[int, bytes]] = []
+    for entry_id, fields in raw:
+        offset = int(bytes(entry_id).split(b"-", 1)[0])
+        entries.append((offset, bytes(fields[1])))
+    return HistoryRead(_text(epoch), int(top), tuple(entries))
 
 
 def _position(reply: Any) -> Position:

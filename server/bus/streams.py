@@ -6,7 +6,8 @@ stream's next offset, keeps the event in the stream's history and publishes
 the positioned message (``protocol.envelope.encode_positioned``) on the bus
 topics given, as one atomic step, so every node hears a stream's events in
 offset order and no two share an offset. ``read`` returns the position and
-what the history still holds.
+what the history still holds; ``read_many`` reads many streams in one round
+trip.
 
 Two implementations share one contract suite (``tests/contract/test_streams_contract.py``):
 :class:`MemoryStreams` (the embedded default, over a ``MemoryBus``) and
@@ -50,6 +51,10 @@ class Append(NamedTuple):
     """The bus topics to publish it on, positioned."""
     event_id: str | None = None
     """Names the event: appended to this stream once within ``event_id_ttl``."""
+
+
+HistoryAsk = tuple[str, int]
+"""One history read: (stream, the last offset already known)."""
 
 
 def new_epoch() -> str:
@@ -96,6 +101,10 @@ class Streams(Protocol):
         """The stream's epoch and top, and its kept events with offsets above
         ``after``. A stream with no epoch gets one here (at top 0), so a client
         told this epoch can later prove it missed nothing."""
+
+    async def read_many(self, asks: Sequence[HistoryAsk]) -> list[HistoryRead[bytes]]:
+        """``read`` for each ask, in order, in one round trip where it can be: a
+        reconnect storm asks for thousands of histories at once."""
 
 
 @dataclass
@@ -193,6 +202,9 @@ class MemoryStreams:
         state = self._stream(stream, self._clock())
         entries = tuple((o, d) for o, d in state.history if o > after)
         return HistoryRead(state.epoch, state.top, entries)
+
+    async def read_many(self, asks: Sequence[HistoryAsk]) -> list[HistoryRead[bytes]]:
+        return [await self.read(stream, after) for stream, after in asks]
 
     def _sweep(self, now: float) -> None:
         """Forget idle streams (what Redis does with expiring keys)."""

@@ -12,6 +12,8 @@ What every implementation promises (``server/bus/streams.py``):
   ``history_ttl`` after the last event;
 - a stream never written gets an epoch on ``read``, at top 0, and the next
   ``append`` continues that epoch;
+- ``read_many`` answers each ask as ``read`` would, in the order asked (the
+  same stream may be asked twice, at different offsets);
 - streams are independent;
 - an append naming an event id already appended to that stream within
   ``event_id_ttl`` returns the position it took then, and keeps and publishes
@@ -261,6 +263,30 @@ async def test_memory_streams_forget_event_ids_after_their_ttl() -> None:
     assert (await streams.append("game:m#g", b"e2", (), "msg-2")).offset == 2
     now[0] = 1800.0
     assert (await streams.append("game:m#g", b"e2", (), "msg-2")).offset == 4
+
+
+async def test_read_many_answers_each_ask_as_read_does(new_pair: PairFactory) -> None:
+    pair = await new_pair(StreamLimits(history_size=3))
+    prefix = uuid.uuid4().hex[:8]
+    a, b, unknown = f"game:m#{prefix}-a", f"user:{prefix}-b", f"game:m#{prefix}-new"
+    for i in range(1, 6):
+        await pair.streams.append(a, f"a{i}".encode(), ())
+    await pair.streams.append(b, b"b1", ())
+    asks = [(b, 0), (a, 3), (unknown, 0), (a, 0), (b, 1)]
+    reads = await pair.streams.read_many(asks)
+    assert [(r.top, r.entries) for r in reads] == [
+        (1, ((1, b"b1"),)),
+        (5, ((4, b"a4"), (5, b"a5"))),
+        (0, ()),
+        (5, ((3, b"a3"), (4, b"a4"), (5, b"a5"))),
+        (1, ()),
+    ]
+    assert reads[1].epoch == reads[3].epoch != reads[0].epoch == reads[4].epoch
+    # The unknown stream got its epoch, as with read, and keeps it.
+    assert (await pair.streams.read(unknown, 0)).epoch == reads[2].epoch
+    assert await pair.streams.read_many([]) == []
+    singles = [await pair.streams.read(stream, after) for stream, after in asks]
+    assert await pair.streams.read_many(asks) == singles
 
 
 async def test_memory_streams_forget_idle_streams() -> None:
