@@ -15,8 +15,17 @@ where ``ts`` is the *scheduled* send time (ns) and ``k`` the event's number.
   watchers (the killed node's clients are gone with it).
 
 Client processes use the ``websockets`` client and record ``(k, receive ns)`` per
-frame, so every event is accounted for exactly. CPU of moto, Redis and each node
-is read from ``/proc`` per phase, to show where the time goes.
+frame, so every event is accounted for exactly. CPU of moto, Redis, each node and
+the sender is read per phase, to show where the time goes:
+
+- moto is not under test and runs off the nodes' CPUs (with the generator), so
+  that it neither starves the nodes nor is starved by them;
+- an **idle** phase first measures the nodes' CPU with every watcher connected and
+  nothing sent (pings, heartbeats, empty long polls); the phases' node CPU minus
+  that idle rate, per message, is the bridge path's own cost, and its inverse the
+  messages a node takes per CPU-second;
+- the queue's depth (visible + in flight) is sampled every second: moto's cost per
+  call grows with it (``loadtest/README.md``, "The bridge scenario").
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import random
+import resource
 import signal
 import time
 import uuid
@@ -149,6 +159,11 @@ def _sender_main(
     uvloop.run(_send(conn, endpoint, queue_url, games, rate, duration, first))
 
 
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 async def _send(
     conn: Conn, endpoint: str, queue_url: str, games: int, rate: float, duration: float, first: int
 ) -> None:
@@ -204,6 +219,7 @@ async def _send(
                         sent_keys.append(k)
 
         workers = [asyncio.create_task(sender()) for _ in range(24)]
+        cpu_before = _own_cpu()
         start_ns = time.time_ns()
         scheduled = 0
         pending: list[tuple[int, int]] = []
@@ -228,6 +244,7 @@ async def _send(
             batches.put_nowait(None)
         await asyncio.gather(*workers)
         ended = time.time_ns()
+        cpu_used = _own_cpu() - cpu_before
     calls = sorted(call_ms) or [math.nan]
     conn.send(
         {
@@ -241,6 +258,7 @@ async def _send(
             "failed": failed,
             "late": late,
             "wall_s": (ended - start_ns) / 1e9,
+            "cpu_s": cpu_used,
         }
     )
 
@@ -270,7 +288,12 @@ async def bridge(run: Run) -> Result:
     redis_proc, redis_url = await start_redis()
     run.track(redis_proc)
     moto_proc, endpoint = await start_moto()
-    run.track(moto_proc)
+    # moto stands in for SQS and DynamoDB and is not under test: on the nodes' CPU it
+    # starves them and itself (one Python thread answers it all), so it runs on the
+    # generator's CPUs.
+    run.procs.append(moto_proc)
+    if run.generator_cpus:
+        os.sched_setaffinity(moto_proc.pid, run.generator_cpus)
     table = f"loadtest-{uuid.uuid4().hex[:8]}"
     await create_table(endpoint, table)
     queue_url = await _create_queue(endpoint)
@@ -303,6 +326,7 @@ async def bridge(run: Run) -> Result:
     watchers = [Watcher(f"w{i}", i % 2, i // 2) for i in range(watchers_count)]
     clients = await _start_clients(run, nodes, watchers)
     try:
+        idle = await _idle(run, nodes, redis_proc, min(10.0, max(1.0, options.duration / 2)))
         phases: dict[str, Result] = {}
         first = 0
         for phase in ("steady", "kill"):
@@ -320,6 +344,7 @@ async def bridge(run: Run) -> Result:
                 games,
                 rate,
                 first,
+                idle,
             )
             first += 10_000_000
     finally:
@@ -361,6 +386,8 @@ async def bridge(run: Run) -> Result:
                 "watchers": watchers_count,
                 "games": games,
                 "moto_alone": moto_alone,
+                "moto_cpus": sorted(run.generator_cpus),
+                "idle": idle,
                 **phases,
             }
         },
@@ -384,6 +411,20 @@ async def _moto_alone(run: Run, endpoint: str, rate: float, duration: float) -> 
         "send_rate": round(sent["sent"] / max(1e-9, sent["wall_s"]), 1),
         "sent": sent["sent"],
         "send_call_ms": sent["send_call_ms"],
+    }
+
+
+async def _idle(run: Run, nodes: Sequence[Proc], redis: Proc, seconds: float) -> Result:
+    """The nodes' and Redis's CPU with every watcher connected and nothing sent."""
+    run.progress.log(f"idle: {seconds:g} s with the watchers connected and nothing sent")
+    procs = [*nodes, redis]
+    before = {p.name: p.cpu() for p in procs}
+    started = time.monotonic()
+    await asyncio.sleep(seconds)
+    wall = time.monotonic() - started
+    return {
+        "seconds": round(wall, 2),
+        "cpu_cores": {p.name: round((p.cpu() - before[p.name]) / wall, 4) for p in procs},
     }
 
 
@@ -435,9 +476,12 @@ async def _phase(
     games: int,
     rate: float,
     first: int,
+    idle: Result,
 ) -> Result:
     duration = run.options.duration
     cpu_before = {p.name: p.cpu() for p in [*nodes, moto, redis] if p.running()}
+    depths: list[int] = []
+    sampler = asyncio.create_task(_sample_depth(endpoint, queue_url, depths))
     parent, child = _ctx().Pipe()
     sender = _ctx().Process(
         target=_sender_main, args=(child, endpoint, queue_url, games, rate, duration, first)
@@ -458,6 +502,9 @@ async def _phase(
     # Drain: everything sent must come through; a killed node's share after the timeout.
     drain_limit = VISIBILITY_SECONDS * 4 + 30
     queue_left = await _wait_drained(endpoint, queue_url, drain_limit)
+    sampler.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sampler
     await asyncio.sleep(1.5)
     wall = time.monotonic() - started
     cpu = {
@@ -503,6 +550,15 @@ async def _phase(
     p50, p90, p99, p999 = (
         float(v) for v in np.percentile(values, [50, 90, 99, 99.9], method="higher")
     )
+    # The bridge path's own cost: the nodes' CPU above their idle rate, per message.
+    # With a node killed its idle share is gone from the moment it died (about mid-run).
+    idle_cores = idle["cpu_cores"]
+    node_idle_s = 0.0
+    for index, node in enumerate(nodes):
+        share = 0.5 if killed == index else 1.0
+        node_idle_s += idle_cores.get(node.name, 0.0) * wall * share
+    node_cpu = sum(v for k, v in cpu.items() if k.startswith("node"))
+    marginal_s = max(1e-9, node_cpu - node_idle_s)
     return {
         "rate_asked": rate,
         "sent": sent["sent"],
@@ -524,7 +580,14 @@ async def _phase(
             1000 * sum(v for k, v in cpu.items() if k.startswith("node")) / max(1, sent["sent"]),
             3,
         ),
+        "node_marginal_cpu_ms_per_message": round(1000 * marginal_s / max(1, sent["sent"]), 3),
+        "messages_per_node_cpu_second": round(sent["sent"] / marginal_s, 1),
         "moto_cpu_ms_per_message": round(1000 * cpu.get("moto", 0.0) / max(1, sent["sent"]), 3),
+        "sender_cpu_ms_per_message": round(1000 * sent["cpu_s"] / max(1, sent["sent"]), 3),
+        "queue_depth": {
+            "mean": round(sum(depths) / len(depths), 1) if depths else math.nan,
+            "max": max(depths, default=0),
+        },
         "latency": {
             "p50_ms": round(p50, 2),
             "p90_ms": round(p90, 2),
@@ -541,6 +604,28 @@ async def _phase(
     }
 
 
+async def _sample_depth(endpoint: str, queue_url: str, depths: list[int]) -> None:
+    """Every second, the queue's visible + in-flight messages (until cancelled)."""
+    import aioboto3
+
+    session = aioboto3.Session()
+    async with session.client("sqs", endpoint_url=endpoint, region_name="us-east-1") as sqs:
+        while True:
+            with contextlib.suppress(Exception):
+                depths.append(await _depth(sqs, queue_url))
+            await asyncio.sleep(1.0)
+
+
+async def _depth(sqs: Any, queue_url: str) -> int:
+    attributes = (
+        await sqs.get_queue_attributes(
+            QueueUrl=queue_url,
+            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+        )
+    )["Attributes"]
+    return sum(int(v) for v in attributes.values())
+
+
 async def _wait_drained(endpoint: str, queue_url: str, limit: float) -> int:
     """Wait until the queue is empty; return what is left in it when the time is up."""
     import aioboto3
@@ -549,16 +634,7 @@ async def _wait_drained(endpoint: str, queue_url: str, limit: float) -> int:
     deadline = time.monotonic() + limit
     async with session.client("sqs", endpoint_url=endpoint, region_name="us-east-1") as sqs:
         while time.monotonic() < deadline:
-            attributes = (
-                await sqs.get_queue_attributes(
-                    QueueUrl=queue_url,
-                    AttributeNames=[
-                        "ApproximateNumberOfMessages",
-                        "ApproximateNumberOfMessagesNotVisible",
-                    ],
-                )
-            )["Attributes"]
-            left = sum(int(v) for v in attributes.values())
+            left = await _depth(sqs, queue_url)
             if left == 0:
                 return 0
             await asyncio.sleep(0.5)

@@ -553,6 +553,14 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"{_fmt(alone['send_call_ms']['p50'])} / {_fmt(alone['send_call_ms']['p99'])} ms",
         ),
     ]
+    idle = figs["idle"]
+    rows.append(
+        (
+            "bridge idle",
+            "CPU cores, nothing sent",
+            ", ".join(f"{k} {_fmt(v)}" for k, v in idle["cpu_cores"].items()),
+        )
+    )
     for phase in ("steady", "kill"):
         p = figs[phase]
         name = f"bridge {phase}"
@@ -586,6 +594,18 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
                 name,
                 "CPU per message: nodes / moto",
                 f"{_fmt(p['node_cpu_ms_per_message'])} / {_fmt(p['moto_cpu_ms_per_message'])} ms",
+            ),
+            (
+                name,
+                "nodes' CPU above idle, per message",
+                f"{_fmt(p['node_marginal_cpu_ms_per_message'])} ms"
+                f" ({_fmt(p['messages_per_node_cpu_second'])} msg per node CPU-second)",
+            ),
+            (name, "sender CPU per message", f"{_fmt(p['sender_cpu_ms_per_message'])} ms"),
+            (
+                name,
+                "queue depth mean / max (visible + in flight)",
+                f"{_fmt(p['queue_depth']['mean'])} / {_fmt(p['queue_depth']['max'])}",
             ),
             (
                 name,

@@ -263,6 +263,10 @@ def test_bridge(outcomes: dict[str, Outcome]) -> None:
         assert p["deliveries"] > 0
         assert _finite(p["latency"]["p99_ms"])
         assert p["cpu_s"]["moto"] > 0
+        assert p["sender_cpu_ms_per_message"] > 0
+        assert p["messages_per_node_cpu_second"] > 0
+        assert p["queue_depth"]["max"] >= 0
+    assert set(bridge["idle"]["cpu_cores"]) == {"node-1", "node-2", "redis"}
     assert bridge["steady"]["watchers_counted"] == 20
     assert bridge["kill"]["watchers_counted"] == 10 and bridge["kill"]["killed"] == "node-1"
     assert "bridge kill" in outcomes["bridge"].output
