@@ -20,10 +20,10 @@ the sender is read per phase, to show where the time goes:
 
 - moto is not under test and runs off the nodes' CPUs (with the generator), so
   that it neither starves the nodes nor is starved by them;
-- an **idle** phase first measures the nodes' CPU with every watcher connected and
-  nothing sent (pings, heartbeats, empty long polls); the phases' node CPU minus
-  that idle rate, per message, is the bridge path's own cost, and its inverse the
-  messages a node takes per CPU-second;
+- an **idle** phase between the two measures the nodes' CPU with every watcher
+  connected and nothing sent (pings, heartbeats, empty long polls); a phase's node
+  CPU minus that idle rate, per message, is the bridge path's own cost, and its
+  inverse the messages a node takes per CPU-second;
 - the queue's depth (visible + in flight) is sampled every second: moto's cost per
   call grows with it (``loadtest/README.md``, "The bridge scenario").
 """
@@ -326,8 +326,8 @@ async def bridge(run: Run) -> Result:
     watchers = [Watcher(f"w{i}", i % 2, i // 2) for i in range(watchers_count)]
     clients = await _start_clients(run, nodes, watchers)
     try:
-        idle = await _idle(run, nodes, redis_proc, min(10.0, max(1.0, options.duration / 2)))
         phases: dict[str, Result] = {}
+        idle: Result = {}
         first = 0
         for phase in ("steady", "kill"):
             run.progress.log(f"bridge {phase}: {rate:g} msg/s for {options.duration:g} s")
@@ -344,9 +344,16 @@ async def bridge(run: Run) -> Result:
                 games,
                 rate,
                 first,
-                idle,
             )
             first += 10_000_000
+            if phase == "steady":
+                # Between the phases: start-up work (rows, presence) is long over, both
+                # nodes still live.
+                idle = await _idle(
+                    run, nodes, redis_proc, min(10.0, max(1.0, options.duration / 2))
+                )
+        for result in phases.values():
+            _add_marginal_cpu(result, idle, nodes)
     finally:
         for conn, process in clients:
             with contextlib.suppress(Exception):
@@ -414,6 +421,23 @@ async def _moto_alone(run: Run, endpoint: str, rate: float, duration: float) -> 
     }
 
 
+def _add_marginal_cpu(phase: Result, idle: Result, nodes: Sequence[Proc]) -> None:
+    """The bridge path's own cost: the nodes' CPU above their idle rate, per message.
+
+    A killed node's CPU is not in the phase's figures at all (it is read at the end),
+    so only the live nodes' idle rate is taken off.
+    """
+    wall = phase["wall_s"]
+    node_cpu = node_idle = 0.0
+    for node in nodes:
+        if node.name in phase["cpu_s"]:
+            node_cpu += phase["cpu_s"][node.name]
+            node_idle += idle["cpu_cores"].get(node.name, 0.0) * wall
+    marginal = max(1e-9, node_cpu - node_idle)
+    phase["node_marginal_cpu_ms_per_message"] = round(1000 * marginal / max(1, phase["sent"]), 3)
+    phase["messages_per_node_cpu_second"] = round(phase["sent"] / marginal, 1)
+
+
 async def _idle(run: Run, nodes: Sequence[Proc], redis: Proc, seconds: float) -> Result:
     """The nodes' and Redis's CPU with every watcher connected and nothing sent."""
     run.progress.log(f"idle: {seconds:g} s with the watchers connected and nothing sent")
@@ -476,7 +500,6 @@ async def _phase(
     games: int,
     rate: float,
     first: int,
-    idle: Result,
 ) -> Result:
     duration = run.options.duration
     cpu_before = {p.name: p.cpu() for p in [*nodes, moto, redis] if p.running()}
@@ -550,15 +573,6 @@ async def _phase(
     p50, p90, p99, p999 = (
         float(v) for v in np.percentile(values, [50, 90, 99, 99.9], method="higher")
     )
-    # The bridge path's own cost: the nodes' CPU above their idle rate, per message.
-    # With a node killed its idle share is gone from the moment it died (about mid-run).
-    idle_cores = idle["cpu_cores"]
-    node_idle_s = 0.0
-    for index, node in enumerate(nodes):
-        share = 0.5 if killed == index else 1.0
-        node_idle_s += idle_cores.get(node.name, 0.0) * wall * share
-    node_cpu = sum(v for k, v in cpu.items() if k.startswith("node"))
-    marginal_s = max(1e-9, node_cpu - node_idle_s)
     return {
         "rate_asked": rate,
         "sent": sent["sent"],
@@ -580,8 +594,6 @@ async def _phase(
             1000 * sum(v for k, v in cpu.items() if k.startswith("node")) / max(1, sent["sent"]),
             3,
         ),
-        "node_marginal_cpu_ms_per_message": round(1000 * marginal_s / max(1, sent["sent"]), 3),
-        "messages_per_node_cpu_second": round(sent["sent"] / marginal_s, 1),
         "moto_cpu_ms_per_message": round(1000 * cpu.get("moto", 0.0) / max(1, sent["sent"]), 3),
         "sender_cpu_ms_per_message": round(1000 * sent["cpu_s"] / max(1, sent["sent"]), 3),
         "queue_depth": {
