@@ -557,11 +557,12 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows.append(
         (
             "bridge idle",
-            "CPU cores, nothing sent",
-            ", ".join(f"{k} {_fmt(v)}" for k, v in idle["cpu_cores"].items()),
+            "CPU cores, nothing sent (settled after)",
+            ", ".join(f"{k} {_fmt(v)}" for k, v in idle["cpu_cores"].items())
+            + f" ({_fmt(idle['settled_after_s'])} s)",
         )
     )
-    for phase in ("steady", "kill"):
+    for phase in ("steady", "backlog", "kill"):
         p = figs[phase]
         name = f"bridge {phase}"
         lat = p["latency"]
@@ -601,10 +602,14 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{_fmt(p['node_marginal_cpu_ms_per_message'])} ms"
                 f" ({_fmt(p['messages_per_node_cpu_second'])} msg per node CPU-second)",
             ),
-            (name, "sender CPU per message", f"{_fmt(p['sender_cpu_ms_per_message'])} ms"),
             (
                 name,
-                "queue depth mean / max (visible + in flight)",
+                "sender CPU per message (processes)",
+                f"{_fmt(p['sender_cpu_ms_per_message'])} ms ({p['senders']})",
+            ),
+            (
+                name,
+                "queue depth mean / max (visible, in flight, delayed)",
                 f"{_fmt(p['queue_depth']['mean'])} / {_fmt(p['queue_depth']['max'])}",
             ),
             (

@@ -251,7 +251,7 @@ def test_bridge(outcomes: dict[str, Outcome]) -> None:
     bridge = _figures(outcomes, "bridge")["bridge"]
     assert bridge["watchers"] == 20
     assert bridge["moto_alone"]["sent"] > 0
-    for phase in ("steady", "kill"):
+    for phase in ("steady", "backlog", "kill"):
         p = bridge[phase]
         assert 0 < p["sent"] <= 120 and p["send_failed"] == 0
         assert p["lost"] == 0, p
