@@ -582,6 +582,12 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             ),
             (
                 name,
+                "queue accepted -> socket p50/p99",
+                f"{_fmt(p['accepted_to_socket']['p50_ms'])}"
+                f" / {_fmt(p['accepted_to_socket']['p99_ms'])} ms",
+            ),
+            (
+                name,
                 "deliveries (watchers counted)",
                 f"{_fmt(p['deliveries'])} ({p['watchers_counted']})",
             ),

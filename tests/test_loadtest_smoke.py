@@ -262,6 +262,7 @@ def test_bridge(outcomes: dict[str, Outcome]) -> None:
             assert p["dup"] == 0, p
         assert p["deliveries"] > 0
         assert _finite(p["latency"]["p99_ms"])
+        assert p["accepted_to_socket"]["p99_ms"] <= p["latency"]["p99_ms"]
         assert p["cpu_s"]["moto"] > 0
         assert p["sender_cpu_ms_per_message"] > 0
         assert p["messages_per_node_cpu_second"] > 0
