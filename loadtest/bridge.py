@@ -5,18 +5,33 @@ consumers) with one Redis and one table. ``W`` watchers, half on each node,
 watch ``W / 2`` games, so every game has one watcher on each node. A sender
 process puts ``R`` messages a second into the queue with ``SendMessageBatch``
 (10 per call), today's body: ``{"verb":"game","payload":{meta,id,ts,k},"exclude":[]}``
-where ``ts`` is the *scheduled* send time (ns) and ``k`` the event's number.
+where ``ts`` is the send time (ns) and ``k`` the event's number. Above 500 msg/s the
+rate is split over several sender processes, so the driver's own CPU is not the limit.
 
 - **steady**: both nodes live. Queue -> socket latency per delivery; lost and
   duplicated per (watcher, event).
-- **kill**: the same, and one node is killed with SIGKILL halfway through. What it
+- **backlog**: the same messages, each sent with a delay so that all become visible
+  together a few seconds after the last is sent, as after an outage: every receive
+  is a full batch of 10, so the nodes' CPU per message is the bridge's at full
+  batches (its latency is the delay, not a figure).
+- **kill**: the same as steady, and one node is killed with SIGKILL halfway through. What it
   had received and not deleted comes back after the visibility timeout and the
   other node publishes it. Lost and duplicated are counted on the survivor's
   watchers (the killed node's clients are gone with it).
 
 Client processes use the ``websockets`` client and record ``(k, receive ns)`` per
-frame, so every event is accounted for exactly. CPU of moto, Redis and each node
-is read from ``/proc`` per phase, to show where the time goes.
+frame, so every event is accounted for exactly. CPU of moto, Redis, each node and
+the sender is read per phase, to show where the time goes:
+
+- moto is not under test and runs off the nodes' CPUs (with the generator), so
+  that it neither starves the nodes nor is starved by them;
+- once the nodes are done with start-up work (the watchers' lastSeen and
+  connection rows, thousands of moto calls), an **idle** phase measures their CPU
+  with every watcher connected and nothing sent (pings, heartbeats, empty long
+  polls); a phase's node CPU minus that idle rate, per message, is the bridge
+  path's own cost, and its inverse the messages a node CPU-second takes;
+- the queue's depth (visible, in flight and delayed) is sampled every second: moto's cost per
+  call grows with it (``loadtest/README.md``, "The bridge scenario").
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import random
+import resource
 import signal
 import time
 import uuid
@@ -142,16 +158,36 @@ async def _clients(conn: Conn, secret: str, watchers: list[tuple[str, str, int]]
 
 
 def _sender_main(
-    conn: Conn, endpoint: str, queue_url: str, games: int, rate: float, duration: float, first: int
+    conn: Conn,
+    endpoint: str,
+    queue_url: str,
+    games: int,
+    rate: float,
+    duration: float,
+    first: int,
+    visible_at_ns: int,
 ) -> None:
     import uvloop
 
-    uvloop.run(_send(conn, endpoint, queue_url, games, rate, duration, first))
+    uvloop.run(_send(conn, endpoint, queue_url, games, rate, duration, first, visible_at_ns))
+
+
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 async def _send(
-    conn: Conn, endpoint: str, queue_url: str, games: int, rate: float, duration: float, first: int
+    conn: Conn,
+    endpoint: str,
+    queue_url: str,
+    games: int,
+    rate: float,
+    duration: float,
+    first: int,
+    visible_at_ns: int = 0,
 ) -> None:
+    """Send at ``rate``; with ``visible_at_ns``, each message delayed until about then."""
     import aioboto3
     from botocore.config import Config
 
@@ -162,6 +198,7 @@ async def _send(
     sent, failed, late = 0, 0, 0
     sent_keys: list[int] = []
     call_ms: list[float] = []
+    send_ns: list[int] = []  # per sent key: how long SendMessageBatch took to accept it
     # Whatever is not sent by then is dropped unsent (and not expected): a queue that
     # cannot take the rate shows as a low send rate, not as a run that never ends.
     hard_end_ns = time.time_ns() + int((duration * 2 + 10) * 1e9)
@@ -189,21 +226,28 @@ async def _send(
                     ts = stamp  # queue -> socket: from the moment it is sent to the queue
                     payload = {"meta": "bridge", "id": f"g{plan[k - first]}", "ts": ts, "k": k}
                     body = {"verb": "game", "payload": payload, "exclude": []}
-                    entries.append({"Id": str(i), "MessageBody": json.dumps(body)})
+                    entry: dict[str, Any] = {"Id": str(i), "MessageBody": json.dumps(body)}
+                    if visible_at_ns:
+                        delay = math.ceil((visible_at_ns - stamp) / 1e9)
+                        entry["DelaySeconds"] = max(0, min(900, delay))
+                    entries.append(entry)
                 try:
                     response = await sqs.send_message_batch(QueueUrl=queue_url, Entries=entries)
                 except Exception:
                     failed += len(entries)
                     continue
-                call_ms.append((time.time_ns() - stamp) / 1e6)
+                took_ns = time.time_ns() - stamp
+                call_ms.append(took_ns / 1e6)
                 refused = {int(entry["Id"]) for entry in response.get("Failed", [])}
                 failed += len(refused)
                 for i, (k, _) in enumerate(batch):
                     if i not in refused:
                         sent += 1
                         sent_keys.append(k)
+                        send_ns.append(took_ns)
 
         workers = [asyncio.create_task(sender()) for _ in range(24)]
+        cpu_before = _own_cpu()
         start_ns = time.time_ns()
         scheduled = 0
         pending: list[tuple[int, int]] = []
@@ -228,21 +272,79 @@ async def _send(
             batches.put_nowait(None)
         await asyncio.gather(*workers)
         ended = time.time_ns()
-    calls = sorted(call_ms) or [math.nan]
+        cpu_used = _own_cpu() - cpu_before
     conn.send(
         {
+            "first": first,
             "plan": plan,
             "sent_keys": sent_keys,
-            "send_call_ms": {
-                "p50": round(calls[len(calls) // 2], 2),
-                "p99": round(calls[int(len(calls) * 0.99)], 2),
-            },
+            "send_ns": send_ns,
+            "call_ms": call_ms,
             "sent": sent,
             "failed": failed,
             "late": late,
             "wall_s": (ended - start_ns) / 1e9,
+            "cpu_s": cpu_used,
         }
     )
+
+
+SENDER_RATE = 500.0
+"""Messages/s one sender process is given at most. aioboto3 costs about 2 ms of CPU
+per SendMessageBatch (signing, serializing, parsing), whatever it holds; batches
+fill only at high rates, so a higher rate is split over several processes rather
+than capped by the driver's own CPU."""
+
+
+async def _send_from_processes(
+    endpoint: str,
+    queue_url: str,
+    games: int,
+    rate: float,
+    duration: float,
+    first: int,
+    visible_at_ns: int = 0,
+) -> Result:
+    """Run ``ceil(rate / SENDER_RATE)`` sender processes, each a share of the rate and a
+    range of event numbers of its own; their figures merged."""
+    count = max(1, math.ceil(rate / SENDER_RATE))
+    started = []
+    for index in range(count):
+        parent, child = _ctx().Pipe()
+        start = first + index * 1_000_000
+        process = _ctx().Process(
+            target=_sender_main,
+            args=(child, endpoint, queue_url, games, rate / count, duration, start, visible_at_ns),
+        )
+        process.start()
+        started.append((parent, process))
+    results = [await _recv(parent, duration * 2 + 60) for parent, _ in started]
+    for _, process in started:
+        process.join(timeout=10)
+    game_of: dict[int, int] = {}
+    for result in results:
+        base = result["first"]
+        game_of.update((base + i, game) for i, game in enumerate(result["plan"]))
+    calls = sorted(c for result in results for c in result["call_ms"]) or [math.nan]
+    return {
+        "senders": count,
+        "game_of": game_of,
+        "sent_keys": [k for result in results for k in result["sent_keys"]],
+        "send_ns_of": {
+            k: ns
+            for result in results
+            for k, ns in zip(result["sent_keys"], result["send_ns"], strict=True)
+        },
+        "send_call_ms": {
+            "p50": round(calls[len(calls) // 2], 2),
+            "p99": round(calls[int(len(calls) * 0.99)], 2),
+        },
+        "sent": sum(result["sent"] for result in results),
+        "failed": sum(result["failed"] for result in results),
+        "late": sum(result["late"] for result in results),
+        "wall_s": max(result["wall_s"] for result in results),
+        "cpu_s": sum(result["cpu_s"] for result in results),
+    }
 
 
 # --- the scenario ----------------------------------------------------------------------
@@ -270,7 +372,12 @@ async def bridge(run: Run) -> Result:
     redis_proc, redis_url = await start_redis()
     run.track(redis_proc)
     moto_proc, endpoint = await start_moto()
-    run.track(moto_proc)
+    # moto stands in for SQS and DynamoDB and is not under test: on the nodes' CPU it
+    # starves them and itself (one Python thread answers it all), so it runs on the
+    # generator's CPUs.
+    run.procs.append(moto_proc)
+    if run.generator_cpus:
+        os.sched_setaffinity(moto_proc.pid, run.generator_cpus)
     table = f"loadtest-{uuid.uuid4().hex[:8]}"
     await create_table(endpoint, table)
     queue_url = await _create_queue(endpoint)
@@ -303,10 +410,14 @@ async def bridge(run: Run) -> Result:
     watchers = [Watcher(f"w{i}", i % 2, i // 2) for i in range(watchers_count)]
     clients = await _start_clients(run, nodes, watchers)
     try:
+        settled_s = await _settle(run, nodes)
+        idle = await _idle(run, nodes, redis_proc, min(10.0, max(1.0, options.duration / 2)))
+        idle["settled_after_s"] = settled_s
         phases: dict[str, Result] = {}
         first = 0
-        for phase in ("steady", "kill"):
-            run.progress.log(f"bridge {phase}: {rate:g} msg/s for {options.duration:g} s")
+        for phase in ("steady", "backlog", "kill"):
+            seconds = min(5.0, options.duration / 4) if phase == "backlog" else options.duration
+            run.progress.log(f"bridge {phase}: {rate:g} msg/s for {seconds:g} s")
             phases[phase] = await _phase(
                 run,
                 phase,
@@ -322,6 +433,8 @@ async def bridge(run: Run) -> Result:
                 first,
             )
             first += 10_000_000
+        for result in phases.values():
+            _add_marginal_cpu(result, idle, nodes)
     finally:
         for conn, process in clients:
             with contextlib.suppress(Exception):
@@ -330,7 +443,7 @@ async def bridge(run: Run) -> Result:
             if process.is_alive():
                 process.kill()
         await run.stop_servers("cluster", "redis", "moto")
-    steady, kill = phases["steady"], phases["kill"]
+    steady, backlog, kill = phases["steady"], phases["backlog"], phases["kill"]
 
     def note(phase: Result) -> str:
         rate_note = (
@@ -352,6 +465,8 @@ async def bridge(run: Run) -> Result:
         ),
         check(lost_ok, steady["lost"], 0, note(steady)),
         check(dup_ok, steady["dup"], 0, note(steady)),
+        check(lost_ok, backlog["lost"], 0, "; ".join(filter(None, ["backlog", note(backlog)]))),
+        check(dup_ok, backlog["dup"], 0, "; ".join(filter(None, ["backlog", note(backlog)]))),
         check(lost_ok, kill["lost"], 0, "; ".join(filter(None, ["one node killed", note(kill)]))),
         check(dup_ok, kill["dup"], 0, "; ".join(filter(None, ["one node killed", note(kill)]))),
     ]
@@ -361,6 +476,8 @@ async def bridge(run: Run) -> Result:
                 "watchers": watchers_count,
                 "games": games,
                 "moto_alone": moto_alone,
+                "moto_cpus": sorted(run.generator_cpus),
+                "idle": idle,
                 **phases,
             }
         },
@@ -372,18 +489,70 @@ async def _moto_alone(run: Run, endpoint: str, rate: float, duration: float) -> 
     """The sender against a queue nobody reads: the queue's own capacity on this machine."""
     queue_url = await _create_queue(endpoint)
     run.progress.log(f"moto alone: {rate:g} msg/s for {duration:g} s into a queue nobody reads")
-    parent, child = _ctx().Pipe()
-    sender = _ctx().Process(
-        target=_sender_main, args=(child, endpoint, queue_url, 1, rate, duration, 0)
-    )
-    sender.start()
-    sent = await _recv(parent, duration * 2 + 60)
-    sender.join(timeout=10)
+    sent = await _send_from_processes(endpoint, queue_url, 1, rate, duration, 0)
     return {
         "rate_asked": rate,
         "send_rate": round(sent["sent"] / max(1e-9, sent["wall_s"]), 1),
         "sent": sent["sent"],
         "send_call_ms": sent["send_call_ms"],
+    }
+
+
+def _add_marginal_cpu(phase: Result, idle: Result, nodes: Sequence[Proc]) -> None:
+    """The bridge path's own cost: the nodes' CPU above their idle rate, per message.
+
+    A killed node's CPU is not in the phase's figures at all (it is read at the end),
+    so only the live nodes' idle rate is taken off.
+    """
+    wall = phase["wall_s"]
+    node_cpu = node_idle = 0.0
+    for node in nodes:
+        if node.name in phase["cpu_s"]:
+            node_cpu += phase["cpu_s"][node.name]
+            node_idle += idle["cpu_cores"].get(node.name, 0.0) * wall
+    marginal = node_cpu - node_idle
+    if marginal <= 0:  # lost in the noise of the idle rate: no figure
+        phase["node_marginal_cpu_ms_per_message"] = math.nan
+        phase["messages_per_node_cpu_second"] = math.nan
+        return
+    phase["node_marginal_cpu_ms_per_message"] = round(1000 * marginal / max(1, phase["sent"]), 3)
+    phase["messages_per_node_cpu_second"] = round(phase["sent"] / marginal, 1)
+
+
+SETTLED_NODE_CORES = 0.1
+"""The nodes are done with start-up work (each subscriber's lastSeen write and
+connection row, through moto) once together they use less than this."""
+
+
+async def _settle(run: Run, nodes: Sequence[Proc], limit: float = 90.0) -> float:
+    """Wait until the nodes' start-up work is over; the seconds it took.
+
+    Subscribing 2,000 watchers makes each node write their lastSeen and connection
+    rows, thousands of moto calls that go on for seconds after the last subscribe.
+    Measured in a phase, they would be charged to the bridge, and slow moto down.
+    """
+    started = time.monotonic()
+    quiet = 0
+    while time.monotonic() - started < limit and quiet < 2:
+        before = sum(p.cpu() for p in nodes)
+        await asyncio.sleep(1.0)
+        quiet = quiet + 1 if sum(p.cpu() for p in nodes) - before < SETTLED_NODE_CORES else 0
+    settled = round(time.monotonic() - started, 1)
+    run.progress.log(f"nodes settled after {settled:g} s")
+    return settled
+
+
+async def _idle(run: Run, nodes: Sequence[Proc], redis: Proc, seconds: float) -> Result:
+    """The nodes' and Redis's CPU with every watcher connected and nothing sent."""
+    run.progress.log(f"idle: {seconds:g} s with the watchers connected and nothing sent")
+    procs = [*nodes, redis]
+    before = {p.name: p.cpu() for p in procs}
+    started = time.monotonic()
+    await asyncio.sleep(seconds)
+    wall = time.monotonic() - started
+    return {
+        "seconds": round(wall, 2),
+        "cpu_cores": {p.name: round((p.cpu() - before[p.name]) / wall, 4) for p in procs},
     }
 
 
@@ -437,13 +606,20 @@ async def _phase(
     first: int,
 ) -> Result:
     duration = run.options.duration
+    visible_at_ns = 0
+    if phase == "backlog":
+        # The messages become visible together a few seconds after the last is sent,
+        # as after an outage: receives are full batches. A quarter of the phase (at
+        # most 5 s) is enough: moto's cost per message grows with the backlog.
+        duration = min(5.0, duration / 4)
+        visible_at_ns = time.time_ns() + int((duration + 3) * 1e9)
     cpu_before = {p.name: p.cpu() for p in [*nodes, moto, redis] if p.running()}
-    parent, child = _ctx().Pipe()
-    sender = _ctx().Process(
-        target=_sender_main, args=(child, endpoint, queue_url, games, rate, duration, first)
-    )
+    depths: list[int] = []
+    sampler = asyncio.create_task(_sample_depth(endpoint, queue_url, depths))
     started = time.monotonic()
-    sender.start()
+    sending = asyncio.create_task(
+        _send_from_processes(endpoint, queue_url, games, rate, duration, first, visible_at_ns)
+    )
     killed: int | None = None
     if phase == "kill":
         await asyncio.sleep(duration / 2)
@@ -452,12 +628,14 @@ async def _phase(
         victim.process.wait(timeout=10)
         killed = 0
         run.progress.log(f"killed {victim.name} at {time.monotonic() - started:.1f} s")
-    sent = await _recv(parent, duration * 2 + 60)
-    sender.join(timeout=10)
+    sent = await sending
     send_wall = time.monotonic() - started
     # Drain: everything sent must come through; a killed node's share after the timeout.
-    drain_limit = VISIBILITY_SECONDS * 4 + 30
+    drain_limit = VISIBILITY_SECONDS * 4 + (90 if phase == "backlog" else 30)
     queue_left = await _wait_drained(endpoint, queue_url, drain_limit)
+    sampler.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sampler
     await asyncio.sleep(1.5)
     wall = time.monotonic() - started
     cpu = {
@@ -471,12 +649,14 @@ async def _phase(
     for conn, _ in clients:
         _kind, data = await _recv(conn, 60)
         received += data
-    plan: list[int] = sent["plan"]
+    game_of: dict[int, int] = sent["game_of"]
     expected_by_game: dict[int, set[int]] = {}
     for k in sent["sent_keys"]:  # what SQS accepted; an unsent message is no one's loss
-        expected_by_game.setdefault(plan[k - first], set()).add(k)
+        expected_by_game.setdefault(game_of[k], set()).add(k)
     lost = dup = 0
     latencies: list[int] = []
+    after_accept: list[int] = []
+    send_ns_of: dict[int, int] = sent["send_ns_of"]
     counted = 0
     dup_samples: list[dict[str, Any]] = []
     for watcher, got in zip(watchers, received, strict=True):
@@ -489,6 +669,7 @@ async def _phase(
         lost += len(expected - unique)
         dup += len(keys) - len(unique)
         latencies += [ns for _, ns, _ in got]
+        after_accept += [ns - send_ns_of.get(k, 0) for k, ns, _ in got]
         if len(keys) != len(unique) and len(dup_samples) < 10:
             # Same offset twice: delivered twice by a node; two offsets: published twice.
             offsets: dict[int, list[int]] = {}
@@ -503,9 +684,14 @@ async def _phase(
     p50, p90, p99, p999 = (
         float(v) for v in np.percentile(values, [50, 90, 99, 99.9], method="higher")
     )
+    # From SendMessageBatch's answer (the queue holds the message) to the socket:
+    # the bridge's part, without the seconds moto takes to accept a batch.
+    accepted = np.asarray(after_accept, dtype=np.float64) / 1e6 if after_accept else values
+    a50, a99 = (float(v) for v in np.percentile(accepted, [50, 99], method="higher"))
     return {
         "rate_asked": rate,
         "sent": sent["sent"],
+        "senders": sent["senders"],
         "send_failed": sent["failed"],
         "send_rate": round(sent["sent"] / max(1e-9, sent["wall_s"]), 1),
         "sent_late": sent["late"],
@@ -525,6 +711,12 @@ async def _phase(
             3,
         ),
         "moto_cpu_ms_per_message": round(1000 * cpu.get("moto", 0.0) / max(1, sent["sent"]), 3),
+        "sender_cpu_ms_per_message": round(1000 * sent["cpu_s"] / max(1, sent["sent"]), 3),
+        "queue_depth": {
+            "mean": round(sum(depths) / len(depths), 1) if depths else math.nan,
+            "max": max(depths, default=0),
+        },
+        "accepted_to_socket": {"p50_ms": round(a50, 2), "p99_ms": round(a99, 2)},
         "latency": {
             "p50_ms": round(p50, 2),
             "p90_ms": round(p90, 2),
@@ -541,6 +733,32 @@ async def _phase(
     }
 
 
+async def _sample_depth(endpoint: str, queue_url: str, depths: list[int]) -> None:
+    """Every second, the queue's visible + in-flight + delayed messages (until cancelled)."""
+    import aioboto3
+
+    session = aioboto3.Session()
+    async with session.client("sqs", endpoint_url=endpoint, region_name="us-east-1") as sqs:
+        while True:
+            with contextlib.suppress(Exception):
+                depths.append(await _depth(sqs, queue_url))
+            await asyncio.sleep(1.0)
+
+
+async def _depth(sqs: Any, queue_url: str) -> int:
+    attributes = (
+        await sqs.get_queue_attributes(
+            QueueUrl=queue_url,
+            AttributeNames=[
+                "ApproximateNumberOfMessages",
+                "ApproximateNumberOfMessagesNotVisible",
+                "ApproximateNumberOfMessagesDelayed",
+            ],
+        )
+    )["Attributes"]
+    return sum(int(v) for v in attributes.values())
+
+
 async def _wait_drained(endpoint: str, queue_url: str, limit: float) -> int:
     """Wait until the queue is empty; return what is left in it when the time is up."""
     import aioboto3
@@ -549,16 +767,7 @@ async def _wait_drained(endpoint: str, queue_url: str, limit: float) -> int:
     deadline = time.monotonic() + limit
     async with session.client("sqs", endpoint_url=endpoint, region_name="us-east-1") as sqs:
         while time.monotonic() < deadline:
-            attributes = (
-                await sqs.get_queue_attributes(
-                    QueueUrl=queue_url,
-                    AttributeNames=[
-                        "ApproximateNumberOfMessages",
-                        "ApproximateNumberOfMessagesNotVisible",
-                    ],
-                )
-            )["Attributes"]
-            left = sum(int(v) for v in attributes.values())
+            left = await _depth(sqs, queue_url)
             if left == 0:
                 return 0
             await asyncio.sleep(0.5)

@@ -553,7 +553,16 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"{_fmt(alone['send_call_ms']['p50'])} / {_fmt(alone['send_call_ms']['p99'])} ms",
         ),
     ]
-    for phase in ("steady", "kill"):
+    idle = figs["idle"]
+    rows.append(
+        (
+            "bridge idle",
+            "CPU cores, nothing sent (settled after)",
+            ", ".join(f"{k} {_fmt(v)}" for k, v in idle["cpu_cores"].items())
+            + f" ({_fmt(idle['settled_after_s'])} s)",
+        )
+    )
+    for phase in ("steady", "backlog", "kill"):
         p = figs[phase]
         name = f"bridge {phase}"
         lat = p["latency"]
@@ -573,6 +582,12 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             ),
             (
                 name,
+                "queue accepted -> socket p50/p99",
+                f"{_fmt(p['accepted_to_socket']['p50_ms'])}"
+                f" / {_fmt(p['accepted_to_socket']['p99_ms'])} ms",
+            ),
+            (
+                name,
                 "deliveries (watchers counted)",
                 f"{_fmt(p['deliveries'])} ({p['watchers_counted']})",
             ),
@@ -586,6 +601,22 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
                 name,
                 "CPU per message: nodes / moto",
                 f"{_fmt(p['node_cpu_ms_per_message'])} / {_fmt(p['moto_cpu_ms_per_message'])} ms",
+            ),
+            (
+                name,
+                "nodes' CPU above idle, per message",
+                f"{_fmt(p['node_marginal_cpu_ms_per_message'])} ms"
+                f" ({_fmt(p['messages_per_node_cpu_second'])} msg per node CPU-second)",
+            ),
+            (
+                name,
+                "sender CPU per message (processes)",
+                f"{_fmt(p['sender_cpu_ms_per_message'])} ms ({p['senders']})",
+            ),
+            (
+                name,
+                "queue depth mean / max (visible, in flight, delayed)",
+                f"{_fmt(p['queue_depth']['mean'])} / {_fmt(p['queue_depth']['max'])}",
             ),
             (
                 name,

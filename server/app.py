@@ -35,7 +35,7 @@ from server.bus.memory import MemoryBus
 from server.bus.streams import MemoryStreams
 from server.config import Settings
 from server.connection import GuardedConnection, Session
-from server.dedup import Dedup, MemoryDedup, RedisDedup
+from server.dedup import Dedup, MemoryDedup, RedisClusterDedup, RedisDedup
 from server.ingress.http import build_app
 from server.jwks import jwks_source
 from server.lease import Lease, MemoryLease, RedisLease
@@ -135,8 +135,13 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
     return node
 
 
-def _dedup(settings: Settings) -> Dedup:
-    """Cluster-wide in Redis when clustered; this process's memory when embedded."""
+def _dedup(node: Node, settings: Settings) -> Dedup:
+    """Cluster-wide in Redis (one Redis or the node's Redis Cluster); embedded, in memory."""
+    if settings.redis_cluster_url is not None:
+        from server.bus.redis_cluster_bus import RedisClusterBus
+
+        assert isinstance(node.bus, RedisClusterBus)
+        return RedisClusterDedup.on_cluster(node.bus)
     if settings.redis_url is not None:
         from server.bus.redis_bus import make_client
 
@@ -152,7 +157,7 @@ def add_bridges(node: Node, settings: Settings) -> None:
         node.services.append(
             SqsBridge(
                 node,
-                _dedup(settings),
+                _dedup(node, settings),
                 settings.sqs_queue_url,
                 region=settings.region,
                 endpoint_url=settings.sqs_endpoint,
@@ -168,8 +173,8 @@ def add_bridges(node: Node, settings: Settings) -> None:
             NotificationPush(
                 node,
                 node.store,
-                _lease(settings, "ap:{notifications}:leader"),
-                _dedup(settings),
+                _lease(node, settings, "ap:{notifications}:leader"),
+                _dedup(node, settings),
                 table=settings.table,
                 region=settings.region,
                 endpoint_url=settings.dynamodb_endpoint,
@@ -178,16 +183,23 @@ def add_bridges(node: Node, settings: Settings) -> None:
         )
 
 
-def _lease(settings: Settings, key: str) -> Lease:
+def _lease(node: Node, settings: Settings, key: str) -> Lease:
     """One holder in the cluster (Redis); embedded, the one process always holds it."""
-    if settings.redis_url is not None:
-        from server.bus.redis_bus import make_client
-        from server.cluster import lease_ms_for
+    if not settings.clustered:
+        return MemoryLease()
+    from server.cluster import lease_ms_for
 
-        token = f"{settings.node_id}/{uuid.uuid4().hex}"
-        client = make_client(settings.redis_url, retries=1)
-        return RedisLease(client, key, token, lease_ms_for(settings.node_heartbeat_ms))
-    return MemoryLease()
+    token = f"{settings.node_id}/{uuid.uuid4().hex}"
+    lease_ms = lease_ms_for(settings.node_heartbeat_ms)
+    if settings.redis_cluster_url is not None:
+        from server.bus.redis_cluster_bus import RedisClusterBus
+
+        assert isinstance(node.bus, RedisClusterBus)
+        return RedisLease.on_cluster(node.bus, key, token, lease_ms)
+    from server.bus.redis_bus import make_client
+
+    assert settings.redis_url is not None
+    return RedisLease(make_client(settings.redis_url, retries=1), key, token, lease_ms)
 
 
 def redis_coordination(settings: Settings) -> Coordination:

@@ -302,7 +302,6 @@ def _validate(settings: Settings) -> None:
             f"--dev-jwt-secret must be at least {MIN_DEV_SECRET_CHARS} characters "
             f"(try: openssl rand -hex 32)"
         )
-        raise ConfigError("--presence-debounce-ms must not be negative")
     if not 0 <= settings.sqs_wait_seconds <= 20:
         raise ConfigError("--sqs-wait-seconds must be from 0 to 20 (SQS's own limit)")
     if settings.sqs_pollers < 1:
@@ -313,15 +312,6 @@ def _validate(settings: Settings) -> None:
         raise ConfigError(
             "--notifications-from-stream reads the table's stream and keeps its checkpoints "
             "in the table: add --store dynamodb (or --dynamodb-endpoint)"
-        )
-    if settings.redis_cluster_url is not None and (
-        settings.sqs_queue_url is not None or settings.notifications_from_stream
-    ):
-        # Their dedup keys and lease run on one Redis today; on a cluster each node
-        # would fall back to its own memory and push events twice.
-        raise ConfigError(
-            "--sqs-queue-url and --notifications-from-stream need --redis-url (one Redis); "
-            "they do not run on --redis-cluster-url yet"
         )
     if settings.stream_poll_ms < 200:
         raise ConfigError("--stream-poll-ms must be at least 200 (5 GetRecords/s per shard)")

@@ -11,18 +11,24 @@ A key goes through two states:
   leaves it to expire, and one that fails to publish releases it at once.
 - *done*: published. Kept for the dedup window, then forgotten.
 
-Two implementations share one contract suite (``tests/contract``): a dict for the
-embedded default and Redis (``SET NX`` with a ttl, in Lua) for a cluster.
+Three implementations share one contract suite (``tests/contract``): a dict for the
+embedded default, and Redis (``SET NX`` with a ttl, in Lua) for a cluster on one
+Redis (``--redis-url``) or on a Redis Cluster (``--redis-cluster-url``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
+
+from server.bus.redis_cluster_bus import RedisClusterBus, ShardScript, through_failover
 
 
 class Claim(enum.Enum):
@@ -135,11 +141,7 @@ _CLAIM_RESULTS = {1: Claim.CLAIMED, 0: Claim.DONE, -1: Claim.BUSY}
 
 
 class RedisDedup:
-    """Across the cluster: one key per delivery, each its own Redis Cluster slot.
-
-    Each key is one single-key script call in a pipeline (not one multi-key script),
-    so that keys spread over the slots of a Redis Cluster.
-    """
+    """Across the cluster, on one Redis: one single-key script call per key, pipelined."""
 
     def __init__(self, client: aioredis.Redis, *, owns_client: bool = True) -> None:
         self._client = client
@@ -178,3 +180,105 @@ class RedisDedup:
     async def close(self) -> None:
         if self._owns_client:
             await self._client.aclose()
+
+
+class RedisClusterDedup:
+    """Across the cluster, on a Redis Cluster: one single-key call per key, sent concurrently.
+
+    Each script names exactly one key, so it runs in that key's slot whatever the
+    key is (no hash tag needed, and none would help: the deliveries of a batch have
+    nothing in common to group them by). A batch is therefore not one multi-key
+    script, which a cluster refuses across slots, nor a cluster pipeline, whose
+    retry closes the whole client under the other callers. That stays correct:
+
+    - every key's answer is decided on its own, in one atomic script; a batch
+      never needed all-or-nothing, since each message is published, deleted or
+      handed back on its own;
+    - each call is idempotent for its token (a claim already ours is extended,
+      ``done`` is set again, ``release`` frees only our claim), so a call retried
+      through a failover (``through_failover``) or by redis-py gives the same answer;
+    - a claim that fails part-way releases the keys it did claim, so a retry of
+      the batch, here or on another node, finds them free instead of BUSY.
+
+    What a failover can still lose is what Redis replicates asynchronously: a
+    ``done`` mark written just before the primary died. The caller deleted or
+    checkpointed that delivery right after marking it, so it comes back only if
+    that also failed.
+    """
+
+    MAX_IN_FLIGHT = 32
+    """Calls at once per instance: below the cluster client's per-node pool, which
+    raises instead of waiting when it runs out."""
+
+    def __init__(self, client: Any, *, failover_seconds: float = 10.0) -> None:
+        self._client = client
+        self._failover_seconds = failover_seconds
+        self._claim = ShardScript(client, _CLAIM)
+        self._release = ShardScript(client, _RELEASE)
+        self._slots = asyncio.Semaphore(self.MAX_IN_FLIGHT)
+        self._initialized = False
+        self._initializing = asyncio.Lock()
+
+    @classmethod
+    def on_cluster(cls, bus: RedisClusterBus) -> RedisClusterDedup:
+        """On the Redis Cluster of ``bus``, with a command client of its own."""
+        return cls(bus.command_client(), failover_seconds=bus.publish_deadline)
+
+    async def _ready(self) -> None:
+        # The slot map and first connections before any concurrent use: a fresh
+        # cluster client used by many callers at once broke its own connections.
+        if self._initialized:
+            return
+        async with self._initializing:
+            if not self._initialized:
+                await self._client.initialize()
+                self._initialized = True
+
+    async def _each(self, calls: Sequence[Callable[[], Awaitable[Any]]]) -> list[Any]:
+        """Run the calls at once, each retried through a failover; results or exceptions."""
+        await self._ready()
+        deadline = time.monotonic() + self._failover_seconds
+
+        async def bounded(call: Callable[[], Awaitable[Any]]) -> Any:
+            async with self._slots:
+                return await through_failover(call, deadline)
+
+        return await asyncio.gather(*(bounded(call) for call in calls), return_exceptions=True)
+
+    async def claim(self, keys: Sequence[str], token: str, pending_seconds: float) -> list[Claim]:
+        if not keys:
+            return []
+        ms = max(1, int(pending_seconds * 1000))
+        mine = _pending(token)
+        results = await self._each(
+            [partial(self._claim, keys=[key], args=[mine, ms]) for key in keys]
+        )
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            claimed = [
+                key
+                for key, result in zip(keys, results, strict=True)
+                if not isinstance(result, BaseException) and int(result) == 1
+            ]
+            with contextlib.suppress(Exception):
+                await self.release(claimed, token)
+            raise failure
+        return [_CLAIM_RESULTS[int(result)] for result in results]
+
+    async def complete(self, keys: Sequence[str], done_seconds: float) -> None:
+        ms = max(1, int(done_seconds * 1000))
+        await self._all([partial(self._client.set, key, _DONE, px=ms) for key in keys])
+
+    async def release(self, keys: Sequence[str], token: str) -> None:
+        mine = _pending(token)
+        await self._all([partial(self._release, keys=[key], args=[mine]) for key in keys])
+
+    async def _all(self, calls: Sequence[Callable[[], Awaitable[Any]]]) -> None:
+        if not calls:
+            return
+        for result in await self._each(calls):
+            if isinstance(result, BaseException):
+                raise result
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -6,6 +6,12 @@ renewed by its holder only. Redis can forget it (a restart), so a lease is not
 proof on its own: work with durable effects is fenced elsewhere as well (the
 stream reader's checkpoints carry a fence number from DynamoDB).
 
+On a Redis Cluster (:meth:`RedisLease.on_cluster`) the lease is still one key:
+its hash tag (``ap:{notifications}:leader``) names its slot, and each script
+touches that key only. Its fence is not in Redis but in the table, so there is
+no second key to keep beside it. A renewal retries through a failover of that
+slot's primary, as stream appends do, for at most one lease term.
+
 Embedded, the one process is the only candidate: :class:`MemoryLease` is always held.
 """
 
@@ -13,11 +19,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Protocol
-
-import redis.asyncio as aioredis
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from server import cluster_lua
+from server.bus.redis_cluster_bus import RedisClusterBus, script_for, through_failover
+
+T = TypeVar("T")
 
 
 class LeaseState(enum.Enum):
@@ -66,16 +74,35 @@ class MemoryLease:
 
 
 class RedisLease:
-    """One key, ``<token>`` with a ttl of ``lease_ms``; renew well within it."""
+    """One key, ``<token>`` with a ttl of ``lease_ms``; renew well within it.
 
-    def __init__(self, client: aioredis.Redis, key: str, token: str, lease_ms: int) -> None:
+    ``client`` is a Redis client, or a Redis Cluster client with ``through_failover``
+    set: both scripts are idempotent for a token (renewing twice renews, releasing
+    twice releases), so a call retried after its reply was lost is harmless.
+    """
+
+    def __init__(
+        self, client: Any, key: str, token: str, lease_ms: int, *, through_failover: bool = False
+    ) -> None:
         self._client = client
         self._key = key
         self.token = token
         self._lease_ms = lease_ms
         self._valid_until = 0.0
-        self._lead = client.register_script(cluster_lua.LEAD)
-        self._release = client.register_script(cluster_lua.RELEASE)
+        self._retry = through_failover
+        self._lead = script_for(client, cluster_lua.LEAD)
+        self._release = script_for(client, cluster_lua.RELEASE)
+
+    @classmethod
+    def on_cluster(cls, bus: RedisClusterBus, key: str, token: str, lease_ms: int) -> RedisLease:
+        """On the Redis Cluster of ``bus``, with a command client of its own."""
+        return cls(bus.command_client(), key, token, lease_ms, through_failover=True)
+
+    async def _call(self, call: Callable[[], Awaitable[T]], started: float) -> T:
+        if not self._retry:
+            return await call()
+        # Past one lease term there is nothing left to keep: any holder's key lapsed.
+        return await through_failover(call, started + self._lease_ms / 1000)
 
     @property
     def valid_until(self) -> float:
@@ -85,7 +112,7 @@ class RedisLease:
         asked = time.monotonic()  # the ttl runs from before the request, to be safe
         try:
             args: list[Any] = [self.token, self._lease_ms]
-            result = int(await self._lead(keys=[self._key], args=args))
+            result = int(await self._call(lambda: self._lead(keys=[self._key], args=args), asked))
         except BaseException:
             self._valid_until = 0.0
             raise
@@ -100,7 +127,8 @@ class RedisLease:
 
     async def release(self) -> None:
         self._valid_until = 0.0
-        await self._release(keys=[self._key], args=[self.token])
+        release = self._release
+        await self._call(lambda: release(keys=[self._key], args=[self.token]), time.monotonic())
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -64,6 +64,15 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
     assert settings.store == "dynamodb"
 
 
+def test_both_bridges_run_on_a_redis_cluster() -> None:
+    argv = ["--dynamodb-endpoint", "http://x", "--redis-cluster-url", "redis://127.0.0.1:7000"]
+    argv += ["--sqs-queue-url", "http://127.0.0.1:1/q", "--notifications-from-stream"]
+    settings = parse(argv, {})
+    assert settings.sqs_queue_url == "http://127.0.0.1:1/q"
+    assert settings.notifications_from_stream
+    assert settings.redis_cluster_url == "redis://127.0.0.1:7000"
+
+
 @pytest.mark.parametrize(
     ("argv", "environ", "message"),
     [
@@ -81,11 +90,6 @@ def test_a_dynamodb_endpoint_selects_the_dynamodb_store() -> None:
         (["--notifications-from-stream"], {}, "--store dynamodb"),
         ([], {"AP_NOTIFICATIONS_FROM_STREAM": "maybe"}, "AP_NOTIFICATIONS_FROM_STREAM"),
         (["--dynamodb-endpoint", "http://x", "--stream-poll-ms", "50"], {}, "at least 200"),
-        (
-            ["--dynamodb-endpoint", "http://x", "--redis-cluster-url", "redis://127.0.0.1:7000"],
-            {"AP_SQS_QUEUE_URL": "http://127.0.0.1:1/q"},
-            "not run on --redis-cluster-url",
-        ),
         (["--bot-cognito-issuer", "https://bots"], {}, "go together"),
         (["--bot-scope", "s/communicate"], {}, "go together"),
         (["--bot-max-connections", "0"], {}, "at least 1"),

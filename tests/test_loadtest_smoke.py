@@ -251,7 +251,7 @@ def test_bridge(outcomes: dict[str, Outcome]) -> None:
     bridge = _figures(outcomes, "bridge")["bridge"]
     assert bridge["watchers"] == 20
     assert bridge["moto_alone"]["sent"] > 0
-    for phase in ("steady", "kill"):
+    for phase in ("steady", "backlog", "kill"):
         p = bridge[phase]
         assert 0 < p["sent"] <= 120 and p["send_failed"] == 0
         assert p["lost"] == 0, p
@@ -262,7 +262,13 @@ def test_bridge(outcomes: dict[str, Outcome]) -> None:
             assert p["dup"] == 0, p
         assert p["deliveries"] > 0
         assert _finite(p["latency"]["p99_ms"])
+        assert p["accepted_to_socket"]["p99_ms"] <= p["latency"]["p99_ms"]
         assert p["cpu_s"]["moto"] > 0
+        assert p["sender_cpu_ms_per_message"] > 0
+        per_cpu_second = p["messages_per_node_cpu_second"]
+        assert per_cpu_second > 0 if phase == "steady" else not per_cpu_second <= 0
+        assert p["queue_depth"]["max"] >= 0
+    assert set(bridge["idle"]["cpu_cores"]) == {"node-1", "node-2", "redis"}
     assert bridge["steady"]["watchers_counted"] == 20
     assert bridge["kill"]["watchers_counted"] == 10 and bridge["kill"]["killed"] == "node-1"
     assert "bridge kill" in outcomes["bridge"].output

@@ -31,6 +31,10 @@ from tests.conftest import TEST_REGION, new_table
 from tests.services import redis_url_for_tests
 
 # --- planning (pure) -------------------------------------------------------------
+# Splits and closed shards are tested here, on the planner, and not over HTTP: moto's
+# DynamoDB Streams has one shard per table that never closes or splits (no parent, no
+# ending sequence number: moto/dynamodb/models/table.py, ``StreamShard``), so only
+# these pure tests can give the reader a parent and its children.
 
 
 def cp(shard: str, seq: str | None = "5", done: bool = False) -> ShardCheckpoint:

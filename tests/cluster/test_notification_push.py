@@ -1,4 +1,5 @@
-"""The notification push on two node processes: one reader, and a handover after kill -9."""
+"""The notification push on two node processes: one reader, and a handover after kill -9
+(on one Redis and on the session's Redis Cluster)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from typing import Any
 
 import boto3
 import pytest
-import redis.asyncio as aioredis
 
 from server.store.dynamodb import create_table
 from tests.client import Client
 from tests.cluster.conftest import FAILED
 from tests.cluster.harness import REGION, Cluster, eventually, new_workdir, remove_workdir
-from tests.services import start_redis_server
+from tests.redis_cluster import RedisCluster
+from tests.services import RedisServer, start_redis_server
 from tests.test_table_stream import enable_stream, put_notification
 
 NODES = ("p1", "p2")
@@ -28,7 +29,7 @@ def numbers(client: Client) -> list[int]:
 
 
 async def reader_node(cluster: Cluster) -> str | None:
-    client = aioredis.Redis.from_url(cluster.redis.url)
+    client = cluster.redis_client()
     try:
         token = await client.get(LEADER_KEY)
     finally:
@@ -43,7 +44,13 @@ async def reader_node(cluster: Cluster) -> str | None:
 async def pushing(
     request: pytest.FixtureRequest, dynamodb_endpoint: str
 ) -> AsyncIterator[tuple[Cluster, Any]]:
-    redis = start_redis_server()
+    redis: RedisServer | RedisCluster
+    if getattr(request, "param", "redis") == "redis-cluster":
+        shared: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+        shared.flush()
+        redis = shared
+    else:
+        redis = start_redis_server()
     table = f"notif-{uuid.uuid4().hex[:12]}"
     await create_table(dynamodb_endpoint, table, REGION)
     raw = boto3.client("dynamodb", endpoint_url=dynamodb_endpoint, region_name=REGION)
@@ -60,10 +67,12 @@ async def pushing(
         await cluster.close()
         if request.node.stash.get(FAILED, True) or os.environ.get("AP_CLUSTER_LOGS"):
             print(cluster.logs())
-        redis.stop()
+        if isinstance(redis, RedisServer):
+            redis.stop()
         remove_workdir(workdir)
 
 
+@pytest.mark.parametrize("pushing", ["redis", "redis-cluster"], indirect=True)
 async def test_a_handover_after_kill_9_pushes_each_notification_once(
     pushing: tuple[Cluster, Any],
 ) -> None:

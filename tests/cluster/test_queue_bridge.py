@@ -1,6 +1,8 @@
 """The queue bridge on two node processes: competing consumers, a kill, a Redis restart.
 
 Both nodes poll one moto queue; their clients must see every message exactly once.
+Competing consumers and the kill run on one Redis and on the session's Redis
+Cluster (dedup keys spread over its slots).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from typing import Any
 
 import boto3
 import pytest
+from redis.asyncio.cluster import RedisCluster as ClusterClient
 
 from server.store.dynamodb import create_table
 from tests.client import Client
 from tests.cluster.conftest import FAILED
 from tests.cluster.harness import REGION, Cluster, eventually, new_workdir, remove_workdir
+from tests.redis_cluster import RedisCluster
 from tests.services import RedisServer, start_redis_server
 
 NODES = ("b1", "b2")
@@ -69,7 +73,13 @@ async def drained(cluster: Cluster, queue_url: str, within: float) -> None:
 async def bridged(
     request: pytest.FixtureRequest, dynamodb_endpoint: str
 ) -> AsyncIterator[tuple[Cluster, str]]:
-    redis = start_redis_server()
+    redis: RedisServer | RedisCluster
+    if getattr(request, "param", "redis") == "redis-cluster":
+        shared: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+        shared.flush()
+        redis = shared
+    else:
+        redis = start_redis_server()
     table = f"bridge-{uuid.uuid4().hex[:12]}"
     await create_table(dynamodb_endpoint, table, REGION)
     queue_url: str = sqs(dynamodb_endpoint).create_queue(
@@ -94,10 +104,15 @@ async def bridged(
         await cluster.close()
         if request.node.stash.get(FAILED, True) or os.environ.get("AP_CLUSTER_LOGS"):
             print(cluster.logs())
-        redis.stop()
+        if isinstance(redis, RedisServer):
+            redis.stop()
         remove_workdir(workdir)
 
 
+ON_BOTH = pytest.mark.parametrize("bridged", ["redis", "redis-cluster"], indirect=True)
+
+
+@ON_BOTH
 async def test_competing_consumers_deliver_each_message_once(
     bridged: tuple[Cluster, str],
 ) -> None:
@@ -112,8 +127,23 @@ async def test_competing_consumers_deliver_each_message_once(
         assert sorted(seen(watcher)) == list(range(200))
     logs = cluster.logs()
     assert "queue bridge on" in logs
+    assert await done_marks(cluster) == 200  # shared by both nodes, in Redis
 
 
+async def done_marks(cluster: Cluster) -> int:
+    """Published MessageIds remembered in Redis (on every primary of a Redis Cluster)."""
+    client = cluster.redis_client()
+    try:
+        if isinstance(client, ClusterClient):
+            keys = await client.keys("ap:sqs:*", target_nodes=ClusterClient.PRIMARIES)
+        else:
+            keys = await client.keys("ap:sqs:*")
+        return len(keys)
+    finally:
+        await client.aclose()
+
+
+@ON_BOTH
 async def test_a_node_killed_mid_run_loses_and_duplicates_nothing(
     bridged: tuple[Cluster, str],
 ) -> None:

@@ -1,4 +1,5 @@
-"""Three nodes over a real six-instance Redis Cluster: sharding, failover, restart.
+"""Three nodes over a real six-instance Redis Cluster: sharding, failover, restart;
+and the bridges' dedup and lease through a failover.
 
 The module starts a cluster of its own (these tests kill and restart its
 instances) and flushes it before each test. ``tests/cluster/test_presence.py``
@@ -18,8 +19,10 @@ import pytest
 from redis.crc import key_slot
 
 from server.bus.redis_bus import channel_for
-from server.bus.redis_cluster_bus import RedisClusterBus
+from server.bus.redis_cluster_bus import RedisClusterBus, make_cluster_client
 from server.bus.topics import PRESENCE
+from server.dedup import Claim, RedisClusterDedup
+from server.lease import LeaseState, RedisLease
 from tests.client import Client
 from tests.cluster.conftest import nodes_on
 from tests.cluster.harness import SLACK, Cluster, eventually, wait_visible
@@ -317,3 +320,47 @@ async def test_a_frozen_shard_does_not_stall_the_others(own_redis_cluster: Redis
         await sub.close()
         await pub.close()
         redis.wait_ok()
+
+
+async def test_the_bridges_dedup_and_lease_ride_through_a_primary_failover(
+    own_redis_cluster: RedisCluster,
+) -> None:
+    """Kill -9 the primary of the stream lease's slot: the holder's renewal and the
+    dedup calls on that slot wait for the promoted replica instead of failing."""
+    redis = own_redis_cluster
+    for instance in redis.instances:
+        if not instance.alive:
+            instance.start()
+    await asyncio.to_thread(redis.wait_ok)
+    redis.flush()
+    lease_key = "ap:{notifications}:leader"
+    slot = key_slot(lease_key.encode())
+    victim = redis.owner(slot)
+    lease = RedisLease(
+        make_cluster_client(redis.url), lease_key, "holder", 15_000, through_failover=True
+    )
+    dedup = RedisClusterDedup(make_cluster_client(redis.url), failover_seconds=15)
+    i = 0
+    while redis.owner(key_slot(f"ap:sqs:m{i}".encode())) != victim:
+        i += 1
+    on_victim = f"ap:sqs:m{i}"
+    try:
+        assert await lease.renew() is LeaseState.ACQUIRED
+        assert await dedup.claim([on_victim], "a", 30) == [Claim.CLAIMED]
+        await asyncio.sleep(1.5)  # the replica has both keys (it acks every second)
+        redis.instance(victim).kill()
+        # Each call retries until the replica is promoted: no error, nothing lost.
+        assert await lease.renew() is LeaseState.RENEWED
+        assert lease.valid_until > time.monotonic()
+        assert await dedup.claim([on_victim, "ap:sqs:other"], "b", 30) == [
+            Claim.BUSY,
+            Claim.CLAIMED,
+        ]
+        await dedup.complete([on_victim], 60)
+        assert await dedup.claim([on_victim], "c", 30) == [Claim.DONE]
+        assert redis.owner(slot) != victim
+    finally:
+        await lease.close()
+        await dedup.close()
+        redis.instance(victim).start()
+        await asyncio.to_thread(redis.wait_ok)

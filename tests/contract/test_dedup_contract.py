@@ -1,6 +1,8 @@
-"""The Dedup contract: one suite over the in-memory and the Redis implementation.
+"""The Dedup contract: one suite over every implementation.
 
-What every dedup promises (``server/dedup.py``): a free key is claimed once;
+What every dedup promises (``server/dedup.py``), in memory, on one Redis and on
+the session's Redis Cluster (keys of one call spread over its slots and primaries):
+a free key is claimed once;
 while claimed it is BUSY to other tokens and CLAIMED again to its holder;
 ``complete`` makes it DONE for the window; ``release`` frees only the holder's
 claim; claims and done marks expire.
@@ -15,7 +17,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from server.bus.redis_bus import make_client
-from server.dedup import Claim, Dedup, MemoryDedup, RedisDedup
+from server.bus.redis_cluster_bus import make_cluster_client
+from server.dedup import Claim, Dedup, MemoryDedup, RedisClusterDedup, RedisDedup
+from tests.redis_cluster import RedisCluster
 from tests.services import redis_url_for_tests
 
 
@@ -25,11 +29,14 @@ def redis_url() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def dedup(request: pytest.FixtureRequest) -> AsyncIterator[Dedup]:
     impl: Dedup
     if request.param == "memory":
         impl = MemoryDedup()
+    elif request.param == "redis-cluster":
+        cluster: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+        impl = RedisClusterDedup(make_cluster_client(cluster.url))
     else:
         impl = RedisDedup(make_client(request.getfixturevalue("redis_url")))
     try:
@@ -44,9 +51,9 @@ def fresh(count: int = 1) -> list[str]:
 
 
 async def test_a_free_key_is_claimed_once(dedup: Dedup) -> None:
-    keys = fresh(3)
-    assert await dedup.claim(keys, "a", 10) == [Claim.CLAIMED] * 3
-    assert await dedup.claim(keys, "b", 10) == [Claim.BUSY] * 3
+    keys = fresh(12)  # on a Redis Cluster: slots of every primary, most likely
+    assert await dedup.claim(keys, "a", 10) == [Claim.CLAIMED] * 12
+    assert await dedup.claim(keys, "b", 10) == [Claim.BUSY] * 12
     assert await dedup.claim(keys[:1], "a", 10) == [Claim.CLAIMED]  # the holder again
 
 
@@ -82,3 +89,27 @@ async def test_empty_calls_do_nothing(dedup: Dedup) -> None:
     assert await dedup.claim([], "a", 10) == []
     await dedup.complete([], 10)
     await dedup.release([], "a")
+
+
+async def test_two_tokens_claiming_at_once_never_both_win(dedup: Dedup) -> None:
+    keys = fresh(10)
+    first, second = await asyncio.gather(dedup.claim(keys, "a", 10), dedup.claim(keys, "b", 10))
+    assert all({a, b} == {Claim.CLAIMED, Claim.BUSY} for a, b in zip(first, second, strict=True))
+
+
+async def test_a_cluster_claim_that_fails_part_way_frees_what_it_claimed(
+    shared_redis_cluster: RedisCluster,
+) -> None:
+    """One key of the batch cannot be claimed (it holds a list): the call fails, and the
+    keys it did claim on other slots are free again, not BUSY until the claim expires."""
+    client = make_cluster_client(shared_redis_cluster.url)
+    dedup = RedisClusterDedup(client, failover_seconds=0.3)
+    try:
+        keys = fresh(6)
+        await client.rpush(keys[3], "not a dedup mark")
+        with pytest.raises(Exception, match="WRONGTYPE"):
+            await dedup.claim(keys, "a", 10)
+        others = keys[:3] + keys[4:]
+        assert await dedup.claim(others, "b", 10) == [Claim.CLAIMED] * 5
+    finally:
+        await dedup.close()
