@@ -25,10 +25,10 @@ import websockets
 from redis.crc import key_slot
 
 from loadtest.http import HttpConnection
+from loadtest.redis_cluster import RedisCluster
 from loadtest.servers import HOST, Proc
 from loadtest.worker import mint_token
 from server.bus.redis_bus import channel_for
-from tests.redis_cluster import RedisCluster
 
 
 @dataclass

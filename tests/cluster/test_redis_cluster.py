@@ -23,7 +23,7 @@ from server.bus.topics import PRESENCE
 from tests.client import Client
 from tests.cluster.conftest import nodes_on
 from tests.cluster.harness import SLACK, Cluster, eventually, wait_visible
-from tests.redis_cluster import RedisCluster, redis_cli, redis_cluster_for_tests
+from loadtest.redis_cluster import RedisCluster, redis_cli, redis_cluster_for_tests
 
 FAILOVER_BOUND = 5.0
 """Kill -9 of a primary to delivery resumed, with a 1 s cluster node timeout."""
