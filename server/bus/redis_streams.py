@@ -20,8 +20,11 @@ On a Redis Cluster (:meth:`RedisStreams.on_cluster`) the script runs on the
 shard of the stream's slot and publishes with ``SPUBLISH`` only on the
 channels of that slot (the stream's own: ``ap:{game:<meta>#<id>}``,
 ``ap:{user:<id>}``); a channel of another slot (``ap:{games}``, for legacy
-clients) is published by the caller right after, with the position the script
-returned. A script may not reach into another slot.
+clients) is published by the caller as the script's reply arrives, with the
+position it returned, without waiting for it (replies arrive in offset order,
+and :meth:`ShardPipes.publish_in_order` keeps that order). A script may not
+reach into another slot. Scripts and publishes go over the bus's
+:class:`~server.bus.shard_pipes.ShardPipes`, not redis-py's cluster client.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 from redis.crc import key_slot
@@ -38,7 +40,8 @@ from protocol.envelope import encode_positioned
 from protocol.messages import Position
 from protocol.streams import HistoryRead
 from server.bus.redis_bus import channel_for, make_client
-from server.bus.redis_cluster_bus import RedisClusterBus, ShardScript, through_failover
+from server.bus.redis_cluster_bus import RedisClusterBus
+from server.bus.shard_pipes import Script, ShardPipes
 from server.bus.streams import DEFAULT_LIMITS, Append, StreamLimits, new_epoch
 from server.cluster_lua import for_bus
 
@@ -98,38 +101,37 @@ class RedisStreams:
         limits: StreamLimits = DEFAULT_LIMITS,
         *,
         client: Any = None,
-        sharded: bool = False,
+        pipes: ShardPipes | None = None,
     ) -> None:
         self.url = url
         self._limits = limits
-        self._sharded = sharded
+        self._pipes = pipes
+        self._sharded = pipes is not None
         self._failover_deadline = 10.0
+        if pipes is not None:
+            self._shard_append = Script(for_bus(APPEND, sharded=True))
+            self._shard_read = Script(READ)
+            return
         self._client = make_client(url, retries=1) if client is None else client
-        append, read = for_bus(APPEND, sharded=sharded), READ
-        if sharded:
-            self._append: Any = ShardScript(self._client, append)
-            self._read: Any = ShardScript(self._client, read)
-        else:
-            self._append = self._client.register_script(append)
-            self._read = self._client.register_script(read)
+        self._append: Any = self._client.register_script(APPEND)
+        self._read: Any = self._client.register_script(READ)
 
     @classmethod
     def on_cluster(
         cls, bus: RedisClusterBus, limits: StreamLimits = DEFAULT_LIMITS
     ) -> RedisStreams:
-        """Streams on the Redis Cluster of ``bus``, with a command client of their own."""
-        streams = cls(bus.url, limits, client=bus.command_client(), sharded=True)
+        """Streams on the Redis Cluster of ``bus``, over its per-primary connections."""
+        streams = cls(bus.url, limits, pipes=bus.pipes)
         streams._failover_deadline = bus.publish_deadline
         return streams
 
     async def start(self) -> None:
-        if self._sharded:
-            # The slot map and first connections before any concurrent use: a
-            # fresh client used by many callers at once broke its own connections.
-            await self._client.initialize()
+        if self._pipes is not None:
+            await self._pipes.start()  # the slot map before the first command
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._pipes is None:  # the bus closes its pipes
+            await self._client.aclose()
 
     def _append_args(self, stream: str, data: bytes, topics: Sequence[str]) -> list[Any]:
         limits = self._limits
@@ -144,21 +146,34 @@ class RedisStreams:
 
     async def append(self, stream: str, data: bytes, topics: Sequence[str]) -> Position:
         keys = [meta_key(stream), history_key(stream)]
-        if not self._sharded:
+        if self._pipes is None:
             reply = await self._append(keys, self._append_args(stream, data, topics))
             return _position(reply)
+        return await self._append_on_shard(self._pipes, stream, keys, data, topics)
+
+    async def _append_on_shard(
+        self, pipes: ShardPipes, stream: str, keys: list[str], data: bytes, topics: Sequence[str]
+    ) -> Position:
         slot = key_slot(keys[0].encode())
-        here = [t for t in topics if key_slot(channel_for(t).encode()) == slot]
-        elsewhere = [t for t in topics if t not in here]
+        here: list[str] = []
+        elsewhere: list[tuple[int, str]] = []
+        for topic in topics:
+            channel = channel_for(topic)
+            channel_slot = key_slot(channel.encode())
+            if channel_slot == slot:
+                here.append(topic)
+            else:
+                elsewhere.append((channel_slot, channel))
         args = self._append_args(stream, data, here)
         deadline = time.monotonic() + self._failover_deadline
-        reply = await through_failover(lambda: self._append(keys, args), deadline)
+        reply = await pipes.script(slot, self._shard_append, keys, args, deadline)
         position = _position(reply)
         if elsewhere:
+            # Nothing awaited since the reply: replies come in offset order, so
+            # the publishes are queued in offset order too.
             message = encode_positioned(position.epoch, position.offset, data)
-            for topic in elsewhere:
-                publish = partial(self._client.spublish, channel_for(topic), message)
-                await through_failover(publish, deadline)
+            for channel_slot, channel in elsewhere:
+                pipes.publish_in_order(channel_slot, channel, message, self._failover_deadline)
         return position
 
     async def append_many(self, items: Sequence[Append]) -> list[Position]:
@@ -191,9 +206,13 @@ class RedisStreams:
     async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
         keys = [meta_key(stream), history_key(stream)]
         limits = self._limits
-        epoch, top, raw = await self._read(
-            keys, [after, limits.history_size, new_epoch(), max(1, int(limits.meta_ttl))]
-        )
+        args = [after, limits.history_size, new_epoch(), max(1, int(limits.meta_ttl))]
+        if self._pipes is None:
+            epoch, top, raw = await self._read(keys, args)
+        else:
+            deadline = time.monotonic() + self._failover_deadline
+            slot = key_slot(keys[0].encode())
+            epoch, top, raw = await self._pipes.script(slot, self._shard_read, keys, args, deadline)
         entries: list[tuple[int, bytes]] = []
         for entry_id, fields in raw:
             offset = int(bytes(entry_id).split(b"-", 1)[0])
