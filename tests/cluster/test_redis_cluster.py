@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
+from loadtest.redis_cluster import RedisCluster, redis_cli, redis_cluster_for_tests
 from server.bus.redis_bus import channel_for
 from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.topics import PRESENCE
 from tests.client import Client
 from tests.cluster.conftest import nodes_on
 from tests.cluster.harness import SLACK, Cluster, eventually, wait_visible
-from loadtest.redis_cluster import RedisCluster, redis_cli, redis_cluster_for_tests
 
 FAILOVER_BOUND = 5.0
 """Kill -9 of a primary to delivery resumed, with a 1 s cluster node timeout."""
@@ -168,10 +168,23 @@ async def test_kill_9_of_the_presence_primary_fails_over_without_a_client_gap(
             i += 1
             await asyncio.sleep(0.05)
 
+    # A shard failing over is lost by every node at once, and each node still
+    # serves its clients: /readyz stays 200 while the bus repairs that shard.
+    readiness: list[tuple[str, int | None, float]] = []
+    resumed = asyncio.Event()
+
+    async def sample_readiness() -> None:
+        while not resumed.is_set():
+            for name in ("n1", "n2", "n3"):
+                connected = await nodes.metric(name, "ap_bus_connected")
+                readiness.append((name, await nodes.readyz(name), connected))
+            await asyncio.sleep(0.05)
+
     publishers = [asyncio.create_task(publish_steadily(g)) for _, g in games]
     await asyncio.sleep(0.5)
     killed_at = time.monotonic()
     redis.instance(victim).kill()
+    sampler = asyncio.create_task(sample_readiness())
     new_owner = await asyncio.to_thread(redis.wait_failover, victim, presence_slot)
     assert new_owner != victim
     # Delivery of the hit game resumes on every node within the bound.
@@ -182,6 +195,10 @@ async def test_kill_9_of_the_presence_primary_fails_over_without_a_client_gap(
             FAILOVER_BOUND + SLACK,
         )
     resumed_after = time.monotonic() - killed_at
+    resumed.set()
+    await sampler
+    assert any(connected == 0 for _, _, connected in readiness), "no sample during the repair"
+    assert [(n, status) for n, status, _ in readiness if status != 200] == []
     for name in ("n1", "n2", "n3"):
         assert nodes.nodes[name].alive
         await eventually_ready(nodes, name, 5 + SLACK)
