@@ -240,6 +240,38 @@ class RedisCluster:
             time.sleep(0.1)
         raise StartError(f"slot {slot} did not fail over from {dead_port} in {timeout}s")
 
+    # --- resharding: one slot moved by hand, step by step --------------------
+
+    def node_id(self, port: int) -> str:
+        return redis_cli(port, "cluster", "myid").strip()
+
+    def begin_migration(self, slot: int, source: int, target: int) -> None:
+        """``SETSLOT IMPORTING`` on the target, then ``MIGRATING`` on the source."""
+        for port, state, other in ((target, "importing", source), (source, "migrating", target)):
+            reply = redis_cli(port, "cluster", "setslot", str(slot), state, self.node_id(other))
+            if reply.strip() != "OK":
+                raise StartError(f"SETSLOT {slot} {state} on {port}: {reply!r}")
+
+    def move_keys(self, slot: int, source: int, target: int) -> int:
+        """``MIGRATE`` every key of ``slot`` from ``source`` to ``target``; how many."""
+        moved = 0
+        while True:
+            keys = redis_cli(source, "cluster", "getkeysinslot", str(slot), "100").split()
+            if not keys:
+                return moved
+            reply = redis_cli(source, "migrate", HOST, str(target), "", "0", "5000", "keys", *keys)
+            if reply.strip() not in ("OK", "NOKEY"):
+                raise StartError(f"MIGRATE of slot {slot} to {target}: {reply!r}")
+            moved += len(keys)
+
+    def finish_migration(self, slot: int, target: int) -> None:
+        """``SETSLOT NODE`` on the target first, then on every other primary."""
+        target_id = self.node_id(target)
+        for port in [target, *(p for p in self.primaries() if p != target)]:
+            reply = redis_cli(port, "cluster", "setslot", str(slot), "node", target_id)
+            if reply.strip() != "OK":
+                raise StartError(f"SETSLOT {slot} NODE on {port}: {reply!r}")
+
 
 def _redis_cli_available() -> bool:
     return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None

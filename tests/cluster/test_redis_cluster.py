@@ -334,3 +334,52 @@ async def test_a_frozen_shard_does_not_stall_the_others(own_redis_cluster: Redis
         await sub.close()
         await pub.close()
         redis.wait_ok()
+
+
+async def test_a_game_slot_moved_between_primaries_keeps_delivery_gap_free(
+    nodes: Cluster,
+) -> None:
+    """Resharding by hand (``SETSLOT IMPORTING/MIGRATING``, ``MIGRATE``,
+    ``SETSLOT NODE``) while three nodes watch the game: events published before,
+    during (``ASK`` to the target) and after the move (``MOVED``) all arrive,
+    in order, at consecutive offsets, and every node listens on the new owner."""
+    redis = nodes.redis
+    assert isinstance(redis, RedisCluster)
+    by_shard = one_game_per_shard(redis)
+    source, game_id = next(iter(by_shard.items()))
+    target = next(p for p in by_shard if p != source)
+    channel = channel_for(f"game:chess#{game_id}")
+    slot = key_slot(channel.encode())
+    observers = [
+        await nodes.client(n, f"obs-{n}", games=[("chess", game_id)], since={})
+        for n in ("n1", "n2", "n3")
+    ]
+    await eventually(partial(subscribed_nodes_are, 3, source, channel), 5, "3 nodes on source")
+    sent: list[str] = []
+
+    async def publish(step: str) -> None:
+        body = game("chess", game_id)
+        body["payload"]["seen"] = f"{step}-{len(sent)}"
+        assert await nodes.publish(("n1", "n2", "n3")[len(sent) % 3], body) == 202
+        sent.append(body["payload"]["seen"])
+
+    await publish("before")
+    await asyncio.to_thread(redis.begin_migration, slot, source, target)
+    await publish("migrating")  # its keys are still on the source: runs there
+    assert await asyncio.to_thread(redis.move_keys, slot, source, target) == 2
+    await publish("asked")  # the source answers ASK: the script runs on the target
+    await asyncio.to_thread(redis.finish_migration, slot, target)
+    await publish("moved")  # MOVED: the nodes update their slot map
+    await publish("after")
+    assert redis.owner(slot) == target
+    # The source dropped the slot's subscriptions (sunsubscribe); every node
+    # subscribed again on the target.
+    await eventually(partial(subscribed_nodes_are, 3, target, channel), 5 + SLACK, "3 on target")
+    assert shard_subscribers(source, channel) == 0
+    await publish("resubscribed")
+    stream = f"game:chess#{game_id}"
+    for observer in observers:
+        await observer.wait_for(partial(got_more_than, observer, game_id, len(sent) - 1), 5 + SLACK)
+        assert got(observer, game_id) == sent
+        assert observer.offsets(stream) == list(range(1, len(sent) + 1))
+        assert_no_gap(observer)
