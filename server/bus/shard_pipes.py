@@ -91,26 +91,27 @@ class Script:
 class _Pipe:
     """One connection to one primary: batched writes, replies matched in order."""
 
-    def __init__(self, host: str, port: int, client_name: str | None) -> None:
+    def __init__(self, host: str, port: int, client_name: str | None, stall_timeout: float) -> None:
         self.name = f"{host}:{port}"
+        self.stall_timeout = stall_timeout
         self.connection = Connection(
             host=host,
             port=port,
             client_name=client_name,
             socket_connect_timeout=1.0,
-            socket_timeout=None,  # stalls are caught by the watchdog, per batch not per read
+            socket_timeout=None,  # stalls are caught by the watchdog, not by a timer per read
             retry=Retry(NoBackoff(), 0),
         )
         self.dead = False
         self._out: list[bytes] = []
-        self._waiting: deque[asyncio.Future[Any]] = deque()
+        self._waiting: deque[tuple[float, asyncio.Future[Any]]] = deque()  # (queued at, reply)
         self._wake = asyncio.Event()
-        self._replies = 0
         self._task = asyncio.create_task(self._run(), name=f"pipe-{self.name}")
 
     def submit(self, *commands: tuple[Any, ...]) -> list[asyncio.Future[Any]]:
         """Queue ``commands`` back to back; one future per command, in order."""
         loop = asyncio.get_running_loop()
+        now = loop.time()
         futures = []
         for args in commands:
             future: asyncio.Future[Any] = loop.create_future()
@@ -118,32 +119,32 @@ class _Pipe:
                 future.set_exception(RedisConnectionError(f"connection to {self.name} lost"))
             else:
                 self._out.extend(self.connection.pack_command(*args))
-                self._waiting.append(future)
+                self._waiting.append((now, future))
             futures.append(future)
         self._wake.set()
         return futures
 
     async def _run(self) -> None:
         reader: asyncio.Task[None] | None = None
+        # From the start: a frozen server accepts the TCP connection and then
+        # never answers the handshake.
+        watchdog = asyncio.create_task(self._watch(), name=f"pipe-watch-{self.name}")
         try:
             await self.connection.connect()  # type: ignore[no-untyped-call]
             reader = asyncio.create_task(self._read(), name=f"pipe-read-{self.name}")
-            watchdog = asyncio.create_task(self._watch(), name=f"pipe-watch-{self.name}")
-            try:
-                while True:
-                    await self._wake.wait()
-                    self._wake.clear()
-                    if self._out:
-                        batch, self._out = self._out, []
-                        await self.connection.send_packed_command(batch, check_health=False)
-            finally:
-                watchdog.cancel()
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._out:
+                    batch, self._out = self._out, []
+                    await self.connection.send_packed_command(batch, check_health=False)
         except asyncio.CancelledError:
             self._fail(RedisConnectionError(f"connection to {self.name} closed"))
             raise
         except Exception as exc:
             self._fail(exc)
         finally:
+            watchdog.cancel()
             if reader is not None:
                 reader.cancel()
             with contextlib.suppress(Exception):
@@ -156,8 +157,7 @@ class _Pipe:
                     reply: Any = await self.connection.read_response(timeout=math.inf)
                 except ResponseError as exc:
                     reply = exc
-                self._replies += 1
-                future = self._waiting.popleft()
+                _, future = self._waiting.popleft()
                 if future.done():
                     continue
                 if isinstance(reply, ResponseError):
@@ -171,11 +171,14 @@ class _Pipe:
             self._task.cancel()
 
     async def _watch(self) -> None:
+        """Replies come in order: the oldest command unanswered for the whole
+        timeout means nothing was answered since; the connection is dead."""
+        loop = asyncio.get_running_loop()
+        timeout = self.stall_timeout
         while True:
-            seen = self._replies
-            await asyncio.sleep(STALL_TIMEOUT_S)
-            if self._waiting and self._replies == seen:
-                self._fail(RedisTimeoutError(f"no reply from {self.name} in {STALL_TIMEOUT_S}s"))
+            await asyncio.sleep(timeout / 5)
+            if self._waiting and loop.time() - self._waiting[0][0] > timeout:
+                self._fail(RedisTimeoutError(f"no reply from {self.name} in {timeout:g}s"))
                 self._task.cancel()
                 return
 
@@ -185,7 +188,7 @@ class _Pipe:
         self.dead = True
         self._out.clear()
         while self._waiting:
-            future = self._waiting.popleft()
+            _, future = self._waiting.popleft()
             if not future.done():
                 future.set_exception(exc)
 
@@ -198,9 +201,16 @@ class _Pipe:
 class ShardPipes:
     """Route commands by slot to per-primary :class:`_Pipe` connections."""
 
-    def __init__(self, cluster: RedisCluster, *, client_name: str | None = None) -> None:
+    def __init__(
+        self,
+        cluster: RedisCluster,
+        *,
+        client_name: str | None = None,
+        stall_timeout: float = STALL_TIMEOUT_S,
+    ) -> None:
         self._cluster = cluster  # its slot map; the bus refreshes it on every repair
         self._client_name = client_name
+        self._stall_timeout = stall_timeout
         self._pipes: dict[str, _Pipe] = {}
         self._ordered: dict[str, _OrderedPublisher] = {}
         self._closing = False
@@ -209,7 +219,7 @@ class ShardPipes:
         name = f"{host}:{port}"
         pipe = self._pipes.get(name)
         if pipe is None or pipe.dead:
-            pipe = self._pipes[name] = _Pipe(host, port, self._client_name)
+            pipe = self._pipes[name] = _Pipe(host, port, self._client_name, self._stall_timeout)
         return pipe
 
     def _pipe_for(self, slot: int) -> _Pipe:

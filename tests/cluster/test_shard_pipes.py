@@ -1,9 +1,11 @@
 """The per-primary command connections of a Redis Cluster bus, on the session's cluster:
-legacy publishes in offset order, and ``ASK``/``MOVED`` followed during a slot move."""
+legacy publishes in offset order, ``ASK``/``MOVED`` followed during a slot move, and a
+primary that stops answering given up on and retried."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,9 +16,11 @@ from redis.crc import key_slot
 from loadtest.redis_cluster import RedisCluster
 from protocol.envelope import decode_positioned
 from server.bus.redis_bus import channel_for
-from server.bus.redis_cluster_bus import RedisClusterBus
+from server.bus.redis_cluster_bus import RedisClusterBus, make_cluster_client
 from server.bus.redis_streams import RedisStreams
+from server.bus.shard_pipes import ShardPipes
 from server.bus.topics import ALL_GAMES
+from server.metrics import REGISTRY
 from tests.cluster.harness import eventually
 
 
@@ -79,3 +83,35 @@ async def test_ask_and_moved_are_followed_while_a_slot_moves(
     assert await run("MGET", f"{tag}:a", f"{tag}:b") == [b"1", b"2"]
     assert int(bus._client.nodes_manager.get_node_from_slot(slot).port) == target
     assert await run("DEL", f"{tag}:a", f"{tag}:b") == 2
+
+
+async def test_a_primary_that_stops_answering_is_given_up_on_and_retried(
+    shared_redis_cluster: RedisCluster,
+) -> None:
+    """SIGSTOP: the socket stays open and silent, with no reset to notice. The
+    command waiting on it fails after the stall timeout and is sent again (the
+    frozen primary even takes new connections, and never answers their
+    handshake); once the primary answers, it succeeds. Shorter than the
+    cluster's node timeout, so no failover."""
+    redis = shared_redis_cluster
+    redis.wait_ok()
+    tag = "{pipes-" + uuid.uuid4().hex[:8] + "}"
+    slot = key_slot(tag.encode())
+    process = redis.instance(redis.owner(slot)).process
+    assert process is not None
+    client = make_cluster_client(redis.url)
+    pipes = ShardPipes(client, stall_timeout=0.2)
+    await pipes.start()
+    retried = REGISTRY.value("ap_bus_failover_retries_total")
+    try:
+        assert await pipes.execute(slot, ("SET", f"{tag}:a", "1"), time.monotonic() + 5) == b"OK"
+        process.send_signal(signal.SIGSTOP)
+        asyncio.get_running_loop().call_later(0.7, process.send_signal, signal.SIGCONT)
+        reply = await pipes.execute(slot, ("GET", f"{tag}:a"), time.monotonic() + 5)
+        assert reply == b"1"
+        assert REGISTRY.value("ap_bus_failover_retries_total") >= retried + 2
+    finally:
+        process.send_signal(signal.SIGCONT)
+        await pipes.close()
+        await client.aclose()
+    redis.wait_ok()
