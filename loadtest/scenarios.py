@@ -26,6 +26,7 @@ from loadtest.failover import measure as measure_failover
 from loadtest.pool import WorkerError
 from loadtest.procstat import somaxconn, tcp_counters
 from loadtest.publisher import Publisher, PublishStats
+from loadtest.redis_cluster import start_redis_cluster
 from loadtest.runner import (
     Options,
     Run,
@@ -40,7 +41,6 @@ from loadtest.servers import Proc, create_table, start_moto, start_ours, start_r
 from loadtest.stats import Histogram, ratio
 from loadtest.streammem import streammem
 from loadtest.targets import Target, check
-from tests.redis_cluster import start_redis_cluster
 
 Result = dict[str, Any]
 

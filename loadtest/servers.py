@@ -246,6 +246,23 @@ async def _started(
     return proc
 
 
+def redis_ping(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
+    """True when a Redis server on ``host:port`` answers PING with PONG."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(b"PING\r\n")
+            reply = b""
+            while not reply.endswith(b"\r\n"):
+                chunk = sock.recv(64)
+                if not chunk:
+                    break
+                reply += chunk
+            return reply.startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 async def start_redis(limit: float = 15.0) -> tuple[Proc, str]:
     binary = shutil.which("redis-server")
     if binary is None:

@@ -32,8 +32,8 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
 
+from loadtest.redis_cluster import RedisCluster, start_redis_cluster
 from server.bus.redis_cluster_bus import RedisClusterBus, make_cluster_client
-from tests.redis_cluster import RedisCluster, start_redis_cluster
 
 Receive = Callable[[], Awaitable[str | None]]
 Closer = Callable[[], Awaitable[None]]

@@ -14,13 +14,13 @@ from typing import Any
 import boto3
 import pytest
 
+from loadtest.redis_cluster import RedisCluster, redis_cluster_for_tests
 from server.app import bound_port, build_node, start_listeners
 from server.config import Settings
 from server.node import Node
 from server.store.base import Store
 from server.store.dynamodb import create_table
 from tests.client import DEV_SECRET, Client
-from tests.redis_cluster import RedisCluster, redis_cluster_for_tests
 from tests.services import dynamodb_endpoint_for_tests
 
 PUBLISH_SECRET = "publish-secret-for-tests"

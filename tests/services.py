@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadtest.servers import redis_ping
+
 HOST = "127.0.0.1"
 DYNAMODB_ENDPOINT_ENV = "AP_TEST_DYNAMODB_ENDPOINT"
 REDIS_URL_ENV = "AP_TEST_REDIS_URL"
@@ -166,23 +168,6 @@ def dynamodb_endpoint_for_tests() -> Iterator[str]:
 
 
 # -------------------------------------------------------------------------- redis
-
-
-def redis_ping(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
-    """True when a Redis server on ``host:port`` answers PING with PONG."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.settimeout(timeout)
-            sock.sendall(b"PING\r\n")
-            reply = b""
-            while not reply.endswith(b"\r\n"):
-                chunk = sock.recv(64)
-                if not chunk:
-                    break
-                reply += chunk
-            return reply.startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 @dataclass

@@ -24,6 +24,10 @@ class Bus(Protocol):
     def connected(self) -> bool:
         """False while the bus cannot deliver across nodes."""
 
+    @property
+    def serving(self) -> bool:
+        """False while this node cannot serve its clients (``/readyz`` 503)."""
+
     async def start(self, handler: MessageHandler) -> None:
         """Connect and start delivering messages of subscribed topics to ``handler``."""
 

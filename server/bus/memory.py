@@ -34,6 +34,10 @@ class MemoryBus:
     def connected(self) -> bool:
         return self._handler is not None
 
+    @property
+    def serving(self) -> bool:
+        return self.connected
+
     async def start(self, handler: MessageHandler) -> None:
         self._handler = handler
 

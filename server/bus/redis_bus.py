@@ -186,6 +186,11 @@ class RedisBus(LocalDelivery):
         return self._attached.is_set()
 
     @property
+    def serving(self) -> bool:
+        """Without its one Redis a node reaches no other node: not ready."""
+        return self.connected
+
+    @property
     def connected_since(self) -> float:
         """``time.monotonic()`` of the current connection; meaningless while disconnected."""
         return self._connected_since

@@ -21,8 +21,10 @@ one another, and a lost shard is repaired explicitly:
 3. it calls the reconnect callbacks (the node reloads presence and sends fresh
    snapshots), and only then delivers what the new connections received.
 
-Publishing retries through a failover (up to ``publish_deadline``) instead of
-dropping the event; past that it delivers to this node only, as the
+Publishing (``SPUBLISH``, and the streams' scripts) goes over one pipelined
+connection per primary (:mod:`server.bus.shard_pipes`), routed by the same
+slot map, and retries through a failover (up to ``publish_deadline``) instead
+of dropping the event; past that it delivers to this node only, as the
 single-Redis bus does while Redis is away.
 """
 
@@ -46,7 +48,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from server.bus.base import BusDown, MessageHandler
 from server.bus.redis_bus import (
@@ -56,24 +58,19 @@ from server.bus.redis_bus import (
     channel_for,
     make_client,
 )
+from server.bus.shard_pipes import FAILOVER_RETRY_S, ShardPipes
+from server.bus.shard_pipes import retries as failover_retries
 from server.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 shard_losses = REGISTRY.counter(
     "ap_bus_shard_losses_total", "Times a Redis Cluster shard subscription connection was lost"
 )
-publish_retries = REGISTRY.counter(
-    "ap_bus_failover_retries_total",
-    "Redis Cluster commands (SPUBLISH, stream appends) retried during a failover",
-)
-
-FAILOVER_RETRY_S = 0.1
 MAX_CONNECTIONS = 64
-"""Per cluster node. redis-py's cluster pool raises instead of waiting when it
-is exhausted, so the bus bounds its own concurrency below it."""
+"""Per cluster node, for the command clients of the services (presence, chat
+locks, rate limits); redis-py's cluster pool raises instead of waiting when
+it is exhausted."""
 
 
 def startup_nodes(url: str) -> list[ClusterNode]:
@@ -104,29 +101,6 @@ def make_cluster_client(url: str, *, max_connections: int = MAX_CONNECTIONS) -> 
     )
 
 
-async def through_failover(
-    call: Callable[[], Awaitable[T]], deadline: float, closing: Callable[[], bool] = lambda: False
-) -> T:
-    """Run ``call``, retrying while a shard fails over, until ``time.monotonic() > deadline``.
-
-    A killed primary refuses connections until its replica is promoted (about
-    ``cluster-node-timeout`` plus an election); redis-py then finds the new
-    owner by itself. Retrying turns the failover into a delay, not a loss.
-    """
-    while True:
-        try:
-            return await call()
-        except (RedisError, OSError, AttributeError, RuntimeError):
-            # redis-py 8.1's cluster client re-reads the slot map after a node
-            # fails and closes connections that other commands are about to
-            # write on ("handler is closed", a None writer): nothing was sent,
-            # so those are retried like a refused connection.
-            if closing() or time.monotonic() + FAILOVER_RETRY_S > deadline:
-                raise
-            publish_retries.inc()
-            await asyncio.sleep(FAILOVER_RETRY_S)
-
-
 class ShardScript:
     """A Lua script on a Redis Cluster: ``EVALSHA``, and ``EVAL`` when the shard lacks it.
 
@@ -147,6 +121,34 @@ class ShardScript:
             return await self.client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await self.client.eval(self.script, len(keys), *keys, *args)
+
+
+T = TypeVar("T")
+
+
+async def through_failover(
+    call: Callable[[], Awaitable[T]], deadline: float, closing: Callable[[], bool] = lambda: False
+) -> T:
+    """Run ``call`` on the command client, retrying while a shard fails over,
+    until ``time.monotonic() > deadline``.
+
+    A killed primary refuses connections until its replica is promoted (about
+    ``cluster-node-timeout`` plus an election); redis-py then finds the new
+    owner by itself. Retrying turns the failover into a delay, not a loss. (The
+    streams and the bus use ``ShardPipes``, which retry the same way.)
+    """
+    while True:
+        try:
+            return await call()
+        except (RedisError, OSError, AttributeError, RuntimeError):
+            # redis-py 8.1's cluster client re-reads the slot map after a node
+            # fails and closes connections that other commands are about to
+            # write on ("handler is closed", a None writer): nothing was sent,
+            # so those are retried like a refused connection.
+            if closing() or time.monotonic() + FAILOVER_RETRY_S > deadline:
+                raise
+            failover_retries.inc()
+            await asyncio.sleep(FAILOVER_RETRY_S)
 
 
 def script_for(client: Any, source: str) -> Any:
@@ -336,7 +338,9 @@ class RedisClusterBus(LocalDelivery):
         self._max_backoff = max_backoff
         self.publish_deadline = publish_deadline
         self._client = make_cluster_client(url)
-        self._publishing = asyncio.Semaphore(MAX_CONNECTIONS // 2)
+        # Publishes and stream scripts: one pipelined connection per primary,
+        # routed by this client's slot map (the one the readers follow).
+        self.pipes = ShardPipes(self._client, client_name=f"ap-cmd:{name}" if name else None)
         self._handler: MessageHandler | None = None
         self._topics: set[str] = set()
         self._by_channel: dict[bytes, str] = {}
@@ -359,6 +363,23 @@ class RedisClusterBus(LocalDelivery):
         return self._healthy.is_set()
 
     @property
+    def serving(self) -> bool:
+        """Connected, or repairing some shards while others still deliver.
+
+        A shard failing over is lost by every node at once: a 503 from all of
+        them would only make the balancer drop every target, while each node
+        still serves its clients (that shard's events are late, then repaired
+        from history). Only with no live shard at all is a node cut off.
+        """
+        if self.connected:
+            return True
+        return (
+            not self._closing
+            and self._connected_since > 0
+            and any(shard.attached and not shard.dead for shard in self._shards.values())
+        )
+
+    @property
     def connected_since(self) -> float:
         return self._connected_since
 
@@ -379,6 +400,7 @@ class RedisClusterBus(LocalDelivery):
     async def start(self, handler: MessageHandler) -> None:
         self._handler = handler
         self._closing = False
+        self.pipes.reopen()
         self._repair = asyncio.create_task(self._repair_loop(first=True), name="cluster-bus-repair")
         try:
             await asyncio.wait_for(self._healthy.wait(), self._connect_timeout)
@@ -403,6 +425,7 @@ class RedisClusterBus(LocalDelivery):
         self._handler = None
         self._topics.clear()
         self._by_channel.clear()
+        await self.pipes.close()
         with contextlib.suppress(Exception):
             await self._client.aclose()
 
@@ -410,16 +433,12 @@ class RedisClusterBus(LocalDelivery):
 
     async def publish(self, topic: str, data: bytes, *, local_fallback: bool = True) -> None:
         channel = channel_for(topic)
-
-        async def spublish() -> None:
-            async with self._publishing:
-                await self._client.spublish(channel, data)
-
         deadline = time.monotonic() + self.publish_deadline
         try:
-            await through_failover(spublish, deadline, lambda: self._closing)
+            slot = key_slot(channel.encode())
+            await self.pipes.execute(slot, ("SPUBLISH", channel, data), deadline)
             return
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             if not local_fallback:
                 raise BusDown(f"SPUBLISH on {topic} failed: {exc}") from exc
             log.warning("SPUBLISH on %s failed, delivering here only: %s", topic, exc)

@@ -27,8 +27,11 @@ On a Redis Cluster (:meth:`RedisStreams.on_cluster`) the script runs on the
 shard of the stream's slot and publishes with ``SPUBLISH`` only on the
 channels of that slot (the stream's own: ``ap:{game:<meta>#<id>}``,
 ``ap:{user:<id>}``); a channel of another slot (``ap:{games}``, for legacy
-clients) is published by the caller right after, with the position the script
-returned. A script may not reach into another slot.
+clients) is published by the caller as the script's reply arrives, with the
+position it returned, without waiting for it (replies arrive in offset order,
+and :meth:`ShardPipes.publish_in_order` keeps that order). A script may not
+reach into another slot. Scripts and publishes go over the bus's
+:class:`~server.bus.shard_pipes.ShardPipes`, not redis-py's cluster client.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 from redis.crc import key_slot
@@ -46,7 +48,8 @@ from protocol.messages import Position
 from protocol.streams import HistoryRead
 from server.bus.coalesce import ScriptCoalescer
 from server.bus.redis_bus import channel_for, make_client
-from server.bus.redis_cluster_bus import RedisClusterBus, ShardScript, through_failover
+from server.bus.redis_cluster_bus import RedisClusterBus
+from server.bus.shard_pipes import Script, ShardPipes
 from server.bus.streams import DEFAULT_LIMITS, Append, HistoryAsk, StreamLimits, new_epoch
 from server.cluster_lua import for_bus
 
@@ -129,40 +132,38 @@ class RedisStreams:
         limits: StreamLimits = DEFAULT_LIMITS,
         *,
         client: Any = None,
-        sharded: bool = False,
+        pipes: ShardPipes | None = None,
     ) -> None:
         self.url = url
         self._limits = limits
-        self._sharded = sharded
+        self._pipes = pipes
+        self._sharded = pipes is not None
         self._failover_deadline = 10.0
+        if pipes is not None:
+            self._shard_append = Script(for_bus(APPEND, sharded=True))
+            self._shard_read = Script(READ)
+            return
         self._client = make_client(url, retries=1) if client is None else client
-        append, read = for_bus(APPEND, sharded=sharded), READ
-        if sharded:
-            self._append: Any = ShardScript(self._client, append)
-            self._read: Any = ShardScript(self._client, read)
-        else:
-            self._appends = ScriptCoalescer(self._client, append)
-            self._read = self._client.register_script(read)
+        self._appends = ScriptCoalescer(self._client, APPEND)
+        self._read: Any = self._client.register_script(READ)
 
     @classmethod
     def on_cluster(
         cls, bus: RedisClusterBus, limits: StreamLimits = DEFAULT_LIMITS
     ) -> RedisStreams:
-        """Streams on the Redis Cluster of ``bus``, with a command client of their own."""
-        streams = cls(bus.url, limits, client=bus.command_client(), sharded=True)
+        """Streams on the Redis Cluster of ``bus``, over its per-primary connections."""
+        streams = cls(bus.url, limits, pipes=bus.pipes)
         streams._failover_deadline = bus.publish_deadline
         return streams
 
     async def start(self) -> None:
-        if self._sharded:
-            # The slot map and first connections before any concurrent use: a
-            # fresh client used by many callers at once broke its own connections.
-            await self._client.initialize()
+        if self._pipes is not None:
+            await self._pipes.start()  # the slot map before the first command
 
     async def close(self) -> None:
-        if not self._sharded:
+        if self._pipes is None:  # the bus closes its pipes
             await self._appends.close()
-        await self._client.aclose()
+            await self._client.aclose()
 
     def _append_args(self, data: bytes, topics: Sequence[str]) -> list[Any]:
         limits = self._limits
@@ -180,21 +181,34 @@ class RedisStreams:
         self, stream: str, data: bytes, topics: Sequence[str], event_id: str | None = None
     ) -> Position:
         keys = append_keys(stream, event_id)
-        if not self._sharded:
+        if self._pipes is None:
             (reply,) = await self._appends.run([(keys, self._append_args(data, topics))])
             return _position(reply)
+        return await self._append_on_shard(self._pipes, keys, data, topics)
+
+    async def _append_on_shard(
+        self, pipes: ShardPipes, keys: list[str], data: bytes, topics: Sequence[str]
+    ) -> Position:
         slot = key_slot(keys[0].encode())
-        here = [t for t in topics if key_slot(channel_for(t).encode()) == slot]
-        elsewhere = [t for t in topics if t not in here]
+        here: list[str] = []
+        elsewhere: list[tuple[int, str]] = []
+        for topic in topics:
+            channel = channel_for(topic)
+            channel_slot = key_slot(channel.encode())
+            if channel_slot == slot:
+                here.append(topic)
+            else:
+                elsewhere.append((channel_slot, channel))
         args = self._append_args(data, here)
         deadline = time.monotonic() + self._failover_deadline
-        reply = await through_failover(lambda: self._append(keys, args), deadline)
+        reply = await pipes.script(slot, self._shard_append, keys, args, deadline)
         position = _position(reply)
         if elsewhere and len(reply) == 2:  # a repeated event id published nothing
+            # Nothing awaited since the reply: replies come in offset order, so
+            # the publishes are queued in offset order too.
             message = encode_positioned(position.epoch, position.offset, data)
-            for topic in elsewhere:
-                publish = partial(self._client.spublish, channel_for(topic), message)
-                await through_failover(publish, deadline)
+            for channel_slot, channel in elsewhere:
+                pipes.publish_in_order(channel_slot, channel, message, self._failover_deadline)
         return position
 
     async def append_many(self, items: Sequence[Append]) -> list[Position]:
@@ -228,7 +242,12 @@ class RedisStreams:
 
     async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
         keys = [meta_key(stream), history_key(stream)]
-        return _history(await self._read(keys, self._read_args(after)))
+        args = self._read_args(after)
+        if self._pipes is None:
+            return _history(await self._read(keys, args))
+        deadline = time.monotonic() + self._failover_deadline
+        slot = key_slot(keys[0].encode())
+        return _history(await self._pipes.script(slot, self._shard_read, keys, args, deadline))
 
     async def read_many(self, asks: Sequence[HistoryAsk]) -> list[HistoryRead[bytes]]:
         if not asks:
@@ -236,8 +255,8 @@ class RedisStreams:
         if len(asks) == 1:
             return [await self.read(*asks[0])]
         if self._sharded:
-            # No pipeline spans slots, and each stream is a slot of its own: the
-            # reads go out at once, on each shard's connections.
+            # No pipeline spans slots: the reads go out at once, and each
+            # primary's pipe sends those of its slots together.
             return list(await asyncio.gather(*(self.read(s, after) for s, after in asks)))
         async with self._client.pipeline(transaction=False) as pipe:
             for stream, after in asks:

@@ -78,7 +78,7 @@ def build_app(node: Node) -> web.Application:
         return _json(200, {"status": "ok", "node": node.node_id})
 
     async def readyz(request: web.Request) -> web.Response:
-        checks = {"started": node.ready, "bus": node.bus.connected}
+        checks = {"started": node.ready, "bus": node.bus.serving}
         status = 200 if all(checks.values()) else 503
         return web.Response(
             status=status,

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Generator
 
 import pytest
 
+from loadtest.redis_cluster import RedisCluster
 from server.store.dynamodb import create_table
 from tests.cluster.harness import REGION, Cluster, new_workdir, remove_workdir
-from tests.redis_cluster import RedisCluster
 from tests.services import RedisServer, start_redis_server
 
 NODES = ("n1", "n2", "n3")

@@ -12,11 +12,11 @@ from typing import Any
 import boto3
 import pytest
 
+from loadtest.redis_cluster import RedisCluster
 from server.store.dynamodb import create_table
 from tests.client import Client
 from tests.cluster.conftest import FAILED
 from tests.cluster.harness import REGION, Cluster, eventually, new_workdir, remove_workdir
-from tests.redis_cluster import RedisCluster
 from tests.services import RedisServer, start_redis_server
 from tests.test_table_stream import enable_stream, put_notification
 

@@ -18,11 +18,11 @@ import boto3
 import pytest
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
+from loadtest.redis_cluster import RedisCluster
 from server.store.dynamodb import create_table
 from tests.client import Client
 from tests.cluster.conftest import FAILED
 from tests.cluster.harness import REGION, Cluster, eventually, new_workdir, remove_workdir
-from tests.redis_cluster import RedisCluster
 from tests.services import RedisServer, start_redis_server
 
 NODES = ("b1", "b2")

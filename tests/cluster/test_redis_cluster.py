@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
+from loadtest.redis_cluster import RedisCluster, redis_cli, redis_cluster_for_tests
 from server.bus.redis_bus import channel_for
 from server.bus.redis_cluster_bus import RedisClusterBus, make_cluster_client
 from server.bus.topics import PRESENCE
@@ -26,7 +27,6 @@ from server.lease import LeaseState, RedisLease
 from tests.client import Client
 from tests.cluster.conftest import nodes_on
 from tests.cluster.harness import SLACK, Cluster, eventually, wait_visible
-from tests.redis_cluster import RedisCluster, redis_cli, redis_cluster_for_tests
 
 FAILOVER_BOUND = 5.0
 """Kill -9 of a primary to delivery resumed, with a 1 s cluster node timeout."""
@@ -171,10 +171,23 @@ async def test_kill_9_of_the_presence_primary_fails_over_without_a_client_gap(
             i += 1
             await asyncio.sleep(0.05)
 
+    # A shard failing over is lost by every node at once, and each node still
+    # serves its clients: /readyz stays 200 while the bus repairs that shard.
+    readiness: list[tuple[str, int | None, float]] = []
+    resumed = asyncio.Event()
+
+    async def sample_readiness() -> None:
+        while not resumed.is_set():
+            for name in ("n1", "n2", "n3"):
+                connected = await nodes.metric(name, "ap_bus_connected")
+                readiness.append((name, await nodes.readyz(name), connected))
+            await asyncio.sleep(0.05)
+
     publishers = [asyncio.create_task(publish_steadily(g)) for _, g in games]
     await asyncio.sleep(0.5)
     killed_at = time.monotonic()
     redis.instance(victim).kill()
+    sampler = asyncio.create_task(sample_readiness())
     new_owner = await asyncio.to_thread(redis.wait_failover, victim, presence_slot)
     assert new_owner != victim
     # Delivery of the hit game resumes on every node within the bound.
@@ -185,6 +198,10 @@ async def test_kill_9_of_the_presence_primary_fails_over_without_a_client_gap(
             FAILOVER_BOUND + SLACK,
         )
     resumed_after = time.monotonic() - killed_at
+    resumed.set()
+    await sampler
+    assert any(connected == 0 for _, _, connected in readiness), "no sample during the repair"
+    assert [(n, status) for n, status, _ in readiness if status != 200] == []
     for name in ("n1", "n2", "n3"):
         assert nodes.nodes[name].alive
         await eventually_ready(nodes, name, 5 + SLACK)
@@ -364,3 +381,52 @@ async def test_the_bridges_dedup_and_lease_ride_through_a_primary_failover(
         await dedup.close()
         redis.instance(victim).start()
         await asyncio.to_thread(redis.wait_ok)
+
+
+async def test_a_game_slot_moved_between_primaries_keeps_delivery_gap_free(
+    nodes: Cluster,
+) -> None:
+    """Resharding by hand (``SETSLOT IMPORTING/MIGRATING``, ``MIGRATE``,
+    ``SETSLOT NODE``) while three nodes watch the game: events published before,
+    during (``ASK`` to the target) and after the move (``MOVED``) all arrive,
+    in order, at consecutive offsets, and every node listens on the new owner."""
+    redis = nodes.redis
+    assert isinstance(redis, RedisCluster)
+    by_shard = one_game_per_shard(redis)
+    source, game_id = next(iter(by_shard.items()))
+    target = next(p for p in by_shard if p != source)
+    channel = channel_for(f"game:chess#{game_id}")
+    slot = key_slot(channel.encode())
+    observers = [
+        await nodes.client(n, f"obs-{n}", games=[("chess", game_id)], since={})
+        for n in ("n1", "n2", "n3")
+    ]
+    await eventually(partial(subscribed_nodes_are, 3, source, channel), 5, "3 nodes on source")
+    sent: list[str] = []
+
+    async def publish(step: str) -> None:
+        body = game("chess", game_id)
+        body["payload"]["seen"] = f"{step}-{len(sent)}"
+        assert await nodes.publish(("n1", "n2", "n3")[len(sent) % 3], body) == 202
+        sent.append(body["payload"]["seen"])
+
+    await publish("before")
+    await asyncio.to_thread(redis.begin_migration, slot, source, target)
+    await publish("migrating")  # its keys are still on the source: runs there
+    assert await asyncio.to_thread(redis.move_keys, slot, source, target) == 2
+    await publish("asked")  # the source answers ASK: the script runs on the target
+    await asyncio.to_thread(redis.finish_migration, slot, target)
+    await publish("moved")  # MOVED: the nodes update their slot map
+    await publish("after")
+    assert redis.owner(slot) == target
+    # The source dropped the slot's subscriptions (sunsubscribe); every node
+    # subscribed again on the target.
+    await eventually(partial(subscribed_nodes_are, 3, target, channel), 5 + SLACK, "3 on target")
+    assert shard_subscribers(source, channel) == 0
+    await publish("resubscribed")
+    stream = f"game:chess#{game_id}"
+    for observer in observers:
+        await observer.wait_for(partial(got_more_than, observer, game_id, len(sent) - 1), 5 + SLACK)
+        assert got(observer, game_id) == sent
+        assert observer.offsets(stream) == list(range(1, len(sent) + 1))
+        assert_no_gap(observer)

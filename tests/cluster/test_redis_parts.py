@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import msgpack
 import pytest
 
+from loadtest.redis_cluster import RedisCluster
 from protocol.envelope import PresenceHint, decode_envelope
 from protocol.messages import PresenceDelta
 from server.bus.redis_bus import BusUnavailable, RedisBus, channel_for
@@ -22,7 +23,6 @@ from server.cluster import RedisPresenceBackend
 from server.presence import Changes, delta_of
 from server.store.memory import MemoryStore
 from tests.cluster.harness import eventually
-from tests.redis_cluster import RedisCluster
 from tests.services import RedisServer, free_port, start_redis_server
 
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from loadtest.redis_cluster import RedisCluster
 from server.bus import Bus, MemoryBus, MemoryHub
 from server.bus.redis_bus import RedisBus
 from server.bus.redis_cluster_bus import RedisClusterBus
-from tests.redis_cluster import RedisCluster
 from tests.services import redis_url_for_tests
 
 

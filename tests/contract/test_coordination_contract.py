@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
+from loadtest.redis_cluster import RedisCluster
 from server.services.claims import Claims, MemoryClaims, RedisClaims
 from server.services.game_lock import (
     GameLocks,
@@ -22,7 +23,6 @@ from server.services.game_lock import (
     lock_key,
 )
 from server.services.rate_limit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
-from tests.redis_cluster import RedisCluster
 from tests.services import free_port, redis_url_for_tests
 
 

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from loadtest.redis_cluster import RedisCluster
 from server.bus.redis_bus import make_client
 from server.bus.redis_cluster_bus import make_cluster_client
 from server.dedup import Claim, Dedup, MemoryDedup, RedisClusterDedup, RedisDedup
-from tests.redis_cluster import RedisCluster
 from tests.services import redis_url_for_tests
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from loadtest.redis_cluster import RedisCluster
 from protocol.envelope import decode_positioned
 from server.bus import Bus, MemoryBus, MemoryHub
 from server.bus.redis_bus import RedisBus
@@ -36,7 +37,6 @@ from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.redis_streams import RedisStreams
 from server.bus.streams import Append, MemoryStreams, StreamLimits, Streams
 from tests.contract.test_bus_contract import Receiver
-from tests.redis_cluster import RedisCluster
 from tests.services import redis_url_for_tests
 
 

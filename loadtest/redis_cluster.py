@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.services import HOST, ServiceError, free_port, redis_ping
+from loadtest.servers import HOST, StartError, free_port, redis_ping
 
 NODE_TIMEOUT_MS = 1000
 SIZE = 6
@@ -96,7 +96,7 @@ class Instance:
         while not redis_ping(self.port):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                raise ServiceError(f"cluster instance on port {self.port} did not start")
+                raise StartError(f"cluster instance on port {self.port} did not start")
             time.sleep(0.02)
 
     def kill(self) -> None:
@@ -137,7 +137,7 @@ class RedisCluster:
         )
         if created.returncode != 0:
             self.stop()
-            raise ServiceError(f"redis-cli --cluster create failed: {created.stdout!r}")
+            raise StartError(f"redis-cli --cluster create failed: {created.stdout!r}")
         self.wait_ok(timeout)
 
     def stop(self) -> None:
@@ -185,7 +185,7 @@ class RedisCluster:
                 return
             if time.monotonic() > deadline:
                 states = {i.port: redis_cli(i.port, "cluster", "info")[:80] for i in self.instances}
-                raise ServiceError(f"Redis Cluster not ok after {timeout}s: {states}")
+                raise StartError(f"Redis Cluster not ok after {timeout}s: {states}")
             time.sleep(0.1)
 
     @staticmethod
@@ -226,19 +226,51 @@ class RedisCluster:
                     low, _, high = spec.partition("-")
                     if int(low) <= slot <= int(high or low):
                         return int(parts[1].split("@")[0].rsplit(":", 1)[1])
-        raise ServiceError(f"no live primary serves slot {slot}")
+        raise StartError(f"no live primary serves slot {slot}")
 
     def wait_failover(self, dead_port: int, slot: int, timeout: float = 30.0) -> int:
         """Until a live primary other than ``dead_port`` serves ``slot``; its port."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with contextlib.suppress(ServiceError):
+            with contextlib.suppress(StartError):
                 port = self.owner(slot)
                 if port != dead_port:
                     self.wait_ok(max(1.0, deadline - time.monotonic()))
                     return port
             time.sleep(0.1)
-        raise ServiceError(f"slot {slot} did not fail over from {dead_port} in {timeout}s")
+        raise StartError(f"slot {slot} did not fail over from {dead_port} in {timeout}s")
+
+    # --- resharding: one slot moved by hand, step by step --------------------
+
+    def node_id(self, port: int) -> str:
+        return redis_cli(port, "cluster", "myid").strip()
+
+    def begin_migration(self, slot: int, source: int, target: int) -> None:
+        """``SETSLOT IMPORTING`` on the target, then ``MIGRATING`` on the source."""
+        for port, state, other in ((target, "importing", source), (source, "migrating", target)):
+            reply = redis_cli(port, "cluster", "setslot", str(slot), state, self.node_id(other))
+            if reply.strip() != "OK":
+                raise StartError(f"SETSLOT {slot} {state} on {port}: {reply!r}")
+
+    def move_keys(self, slot: int, source: int, target: int) -> int:
+        """``MIGRATE`` every key of ``slot`` from ``source`` to ``target``; how many."""
+        moved = 0
+        while True:
+            keys = redis_cli(source, "cluster", "getkeysinslot", str(slot), "100").split()
+            if not keys:
+                return moved
+            reply = redis_cli(source, "migrate", HOST, str(target), "", "0", "5000", "keys", *keys)
+            if reply.strip() not in ("OK", "NOKEY"):
+                raise StartError(f"MIGRATE of slot {slot} to {target}: {reply!r}")
+            moved += len(keys)
+
+    def finish_migration(self, slot: int, target: int) -> None:
+        """``SETSLOT NODE`` on the target first, then on every other primary."""
+        target_id = self.node_id(target)
+        for port in [target, *(p for p in self.primaries() if p != target)]:
+            reply = redis_cli(port, "cluster", "setslot", str(slot), "node", target_id)
+            if reply.strip() != "OK":
+                raise StartError(f"SETSLOT {slot} NODE on {port}: {reply!r}")
 
 
 def _redis_cli_available() -> bool:
@@ -248,7 +280,7 @@ def _redis_cli_available() -> bool:
 def start_redis_cluster(timeout: float = 60.0) -> RedisCluster:
     """Six ``redis-server`` instances joined into a cluster of 3 primaries + 3 replicas."""
     if not _redis_cli_available():
-        raise ServiceError("redis-server and redis-cli are needed for a Redis Cluster")
+        raise StartError("redis-server and redis-cli are needed for a Redis Cluster")
     workdir = Path(tempfile.mkdtemp(prefix="ap-rcluster-"))
     ports: list[int] = []
     while len(ports) < SIZE:

@@ -1,0 +1,117 @@
+"""The per-primary command connections of a Redis Cluster bus, on the session's cluster:
+legacy publishes in offset order, ``ASK``/``MOVED`` followed during a slot move, and a
+primary that stops answering given up on and retried."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.crc import key_slot
+
+from loadtest.redis_cluster import RedisCluster
+from protocol.envelope import decode_positioned
+from server.bus.redis_bus import channel_for
+from server.bus.redis_cluster_bus import RedisClusterBus, make_cluster_client
+from server.bus.redis_streams import RedisStreams
+from server.bus.shard_pipes import ShardPipes
+from server.bus.topics import ALL_GAMES
+from server.metrics import REGISTRY
+from tests.cluster.harness import eventually
+
+
+@pytest.fixture
+async def bus(shared_redis_cluster: RedisCluster) -> AsyncIterator[RedisClusterBus]:
+    shared_redis_cluster.wait_ok()
+    made = RedisClusterBus(shared_redis_cluster.url)
+    await made.start(lambda topic, data: None)
+    yield made
+    await made.close()
+
+
+async def test_a_games_legacy_publishes_follow_its_offsets(
+    shared_redis_cluster: RedisCluster, bus: RedisClusterBus
+) -> None:
+    """Many appends of one game at once: the script replies come in offset order,
+    and ``ap:{games}`` (another slot, not awaited) gets them in that order."""
+    game = f"game:chess#{uuid.uuid4().hex[:8]}"
+    assert key_slot(channel_for(game).encode()) != key_slot(channel_for(ALL_GAMES).encode())
+    offsets: list[int] = []
+    listener = RedisClusterBus(shared_redis_cluster.url)
+    await listener.start(lambda topic, data: offsets.append(decode_positioned(data).offset))
+    streams = RedisStreams.on_cluster(bus)
+    try:
+        await listener.subscribe([ALL_GAMES])
+        await streams.start()
+        positions = await asyncio.gather(
+            *(streams.append(game, b"e%d" % i, (game, ALL_GAMES)) for i in range(300))
+        )
+        assert sorted(p.offset for p in positions) == list(range(1, 301))
+        await eventually(lambda: len(offsets) >= 300, 5, "300 legacy publishes")
+        assert offsets == list(range(1, 301))
+    finally:
+        await listener.close()
+        await streams.close()
+
+
+async def test_ask_and_moved_are_followed_while_a_slot_moves(
+    shared_redis_cluster: RedisCluster, bus: RedisClusterBus
+) -> None:
+    redis = shared_redis_cluster
+    tag = "{pipes-" + uuid.uuid4().hex[:8] + "}"
+    slot = key_slot(tag.encode())
+    source = redis.owner(slot)
+    target = next(p for p in redis.primaries() if p != source)
+    pipes = bus.pipes
+    deadline = time.monotonic() + 10
+
+    async def run(*args: object) -> object:
+        return await pipes.execute(slot, args, deadline)
+
+    assert await run("SET", f"{tag}:a", "1") == b"OK"
+    await asyncio.to_thread(redis.begin_migration, slot, source, target)
+    assert await asyncio.to_thread(redis.move_keys, slot, source, target) == 1
+    # The key is gone from the source: it answers ASK, and the command runs on the target.
+    assert await run("GET", f"{tag}:a") == b"1"
+    assert await run("SET", f"{tag}:b", "2") == b"OK"
+    await asyncio.to_thread(redis.finish_migration, slot, target)
+    # The map still names the source: MOVED, and the map is updated.
+    assert await run("MGET", f"{tag}:a", f"{tag}:b") == [b"1", b"2"]
+    assert int(bus._client.nodes_manager.get_node_from_slot(slot).port) == target
+    assert await run("DEL", f"{tag}:a", f"{tag}:b") == 2
+
+
+async def test_a_primary_that_stops_answering_is_given_up_on_and_retried(
+    shared_redis_cluster: RedisCluster,
+) -> None:
+    """SIGSTOP: the socket stays open and silent, with no reset to notice. The
+    command waiting on it fails after the stall timeout and is sent again (the
+    frozen primary even takes new connections, and never answers their
+    handshake); once the primary answers, it succeeds. Shorter than the
+    cluster's node timeout, so no failover."""
+    redis = shared_redis_cluster
+    redis.wait_ok()
+    tag = "{pipes-" + uuid.uuid4().hex[:8] + "}"
+    slot = key_slot(tag.encode())
+    process = redis.instance(redis.owner(slot)).process
+    assert process is not None
+    client = make_cluster_client(redis.url)
+    pipes = ShardPipes(client, stall_timeout=0.2)
+    await pipes.start()
+    retried = REGISTRY.value("ap_bus_failover_retries_total")
+    try:
+        assert await pipes.execute(slot, ("SET", f"{tag}:a", "1"), time.monotonic() + 5) == b"OK"
+        process.send_signal(signal.SIGSTOP)
+        asyncio.get_running_loop().call_later(0.7, process.send_signal, signal.SIGCONT)
+        reply = await pipes.execute(slot, ("GET", f"{tag}:a"), time.monotonic() + 5)
+        assert reply == b"1"
+        assert REGISTRY.value("ap_bus_failover_retries_total") >= retried + 2
+    finally:
+        process.send_signal(signal.SIGCONT)
+        await pipes.close()
+        await client.aclose()
+    redis.wait_ok()
