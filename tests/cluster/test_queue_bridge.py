@@ -1,6 +1,8 @@
 """The queue bridge on two node processes: competing consumers, a kill, a Redis restart.
 
-Both nodes poll one moto queue; their clients must see every message exactly once.
+Both nodes poll one moto queue; their clients must see every message exactly once
+while both live, and after a kill -9 every message, only the killed node's batch
+in publication possibly twice (the window ``docs/operations.md`` documents).
 Competing consumers and the kill run on one Redis and on the session's Redis
 Cluster (dedup keys spread over its slots).
 """
@@ -11,6 +13,7 @@ import asyncio
 import json
 import os
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +21,7 @@ import boto3
 import pytest
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
+from server.ingress.sqs import MAX_MESSAGES
 from server.store.dynamodb import create_table
 from tests.client import Client
 from tests.cluster.conftest import FAILED
@@ -160,7 +164,12 @@ async def test_a_node_killed_mid_run_loses_and_duplicates_nothing(
     await eventually(lambda: len(seen(watcher)) >= 300, 40, "all 300 events")
     await drained(cluster, queue_url, 10)
     await asyncio.sleep(1)
-    assert sorted(seen(watcher)) == list(range(300))
+    assert set(seen(watcher)) == set(range(300))  # nothing lost
+    # The documented window (docs/operations.md): a kill -9 between publishing a
+    # batch's messages and marking them done repeats those, once each, after their
+    # claim lapses. Nothing else may repeat.
+    repeats = Counter(seen(watcher)) - Counter(range(300))
+    assert len(repeats) <= MAX_MESSAGES and set(repeats.values()) <= {1}, repeats
 
 
 async def test_a_redis_restart_keeps_messages_in_the_queue_until_published(
