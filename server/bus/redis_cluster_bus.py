@@ -454,6 +454,11 @@ class RedisClusterBus(LocalDelivery):
             self._by_channel[channel_for(topic).encode()] = topic
         if added:
             await self._changed(added)
+        elif self.connected:
+            # Another caller may have named these topics a moment ago, its change
+            # still under way: like its own, this call returns once it is taken.
+            async with self._lock:
+                pass
 
     async def unsubscribe(self, topics: Iterable[str]) -> None:
         removed = [t for t in topics if t in self._topics]
