@@ -267,13 +267,17 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
     from server.dedup import Claim, RedisDedup
     from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
 
-    move = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 1}}
-    turn = {"verb": "yourTurn", "payload": {"meta": "chess", "id": "g1"}, "users": ["b1", "b2"]}
+    # Names of this test's own: .ci/run shares one Redis between tests, and the
+    # offsets asserted below count from the stream's first event.
+    tag = uuid.uuid4().hex[:8]
+    game, stream, users = f"g-{tag}", f"game:chess#g-{tag}", (f"b1-{tag}", f"b2-{tag}")
+    move = {"verb": "game", "payload": {"meta": "chess", "id": game, "n": 1}}
+    turn = {"verb": "yourTurn", "payload": {"meta": "chess", "id": game}, "users": list(users)}
     with redis_url_for_tests() as redis_url:
         settings = dataclasses.replace(TEST_SETTINGS, redis_url=redis_url)
         async with run_server(settings) as running:
-            watcher = await running.subscribed("bob", games=[("chess", "g1")], since={})
-            bots = [await running.subscribed(user, since={}) for user in ("b1", "b2")]
+            watcher = await running.subscribed("bob", games=[("chess", game)], since={})
+            bots = [await running.subscribed(user, since={}) for user in users]
             for body in (move, turn):
                 await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
             # The doomed consumer: receive, claim, publish, and die right there.
@@ -315,16 +319,16 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
             # The second consumer did publish both again...
             assert REGISTRY.value("ap_sqs_messages_published_total") - published == 2
             status, reply = await running.publish(
-                {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 2}}
+                {"verb": "game", "payload": {"meta": "chess", "id": game, "n": 2}}
             )
             assert status == 202 and isinstance(reply, dict)
             # ...and neither took a second position, nor reached anyone twice.
-            assert reply["positions"]["game:chess#g1"]["offset"] == 2
-            await watcher.wait_for(lambda: len(watcher.on_stream("game:chess#g1")) >= 2)
+            assert reply["positions"][stream]["offset"] == 2
+            await watcher.wait_for(lambda: len(watcher.on_stream(stream)) >= 2)
             for client in (watcher, *bots):
                 await client.barrier()
             assert [e["n"] for e in game_events(watcher)] == [1, 2]
-            assert watcher.offsets("game:chess#g1") == [1, 2]
-            for bot, user in zip(bots, ("b1", "b2"), strict=True):
+            assert watcher.offsets(stream) == [1, 2]
+            for bot, user in zip(bots, users, strict=True):
                 assert len(bot.of_verb("yourTurn")) == 1
                 assert bot.offsets(f"user:{user}") == [1]

@@ -36,16 +36,20 @@ def pytest_runtest_makereport(
 FAILED = pytest.StashKey[bool]()
 
 
-@pytest.fixture
-async def cluster(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> AsyncIterator[Cluster]:
-    """Three started nodes on one Redis of the test's own (it may restart it)."""
-    redis: RedisServer | RedisCluster
+def redis_for(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
+    """The test's Redis by its parameter: a fresh one of its own (it may restart
+    it; the caller stops it), or the session's Redis Cluster, emptied."""
     if getattr(request, "param", "redis") == "redis-cluster":
         shared: RedisCluster = request.getfixturevalue("shared_redis_cluster")
         shared.flush()
-        redis = shared
-    else:
-        redis = start_redis_server()
+        return shared
+    return start_redis_server()
+
+
+@pytest.fixture
+async def cluster(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> AsyncIterator[Cluster]:
+    """Three started nodes on one Redis of the test's own (it may restart it)."""
+    redis = redis_for(request)
     try:
         async with nodes_on(redis, request, dynamodb_endpoint, NODES) as running:
             yield running

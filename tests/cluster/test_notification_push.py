@@ -12,12 +12,11 @@ from typing import Any
 import boto3
 import pytest
 
-from loadtest.redis_cluster import RedisCluster
 from server.store.dynamodb import create_table
 from tests.client import Client
-from tests.cluster.conftest import FAILED
+from tests.cluster.conftest import FAILED, redis_for
 from tests.cluster.harness import REGION, Cluster, eventually, new_workdir, remove_workdir
-from tests.services import RedisServer, start_redis_server
+from tests.services import RedisServer
 from tests.test_table_stream import enable_stream, put_notification
 
 NODES = ("p1", "p2")
@@ -44,13 +43,7 @@ async def reader_node(cluster: Cluster) -> str | None:
 async def pushing(
     request: pytest.FixtureRequest, dynamodb_endpoint: str
 ) -> AsyncIterator[tuple[Cluster, Any]]:
-    redis: RedisServer | RedisCluster
-    if getattr(request, "param", "redis") == "redis-cluster":
-        shared: RedisCluster = request.getfixturevalue("shared_redis_cluster")
-        shared.flush()
-        redis = shared
-    else:
-        redis = start_redis_server()
+    redis = redis_for(request)
     table = f"notif-{uuid.uuid4().hex[:12]}"
     await create_table(dynamodb_endpoint, table, REGION)
     raw = boto3.client("dynamodb", endpoint_url=dynamodb_endpoint, region_name=REGION)

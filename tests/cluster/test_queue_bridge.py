@@ -19,12 +19,11 @@ import boto3
 import pytest
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
-from loadtest.redis_cluster import RedisCluster
 from server.store.dynamodb import create_table
 from tests.client import Client
-from tests.cluster.conftest import FAILED
+from tests.cluster.conftest import FAILED, redis_for
 from tests.cluster.harness import REGION, Cluster, eventually, new_workdir, remove_workdir
-from tests.services import RedisServer, start_redis_server
+from tests.services import RedisServer
 
 NODES = ("b1", "b2")
 
@@ -74,13 +73,7 @@ async def drained(cluster: Cluster, queue_url: str, within: float) -> None:
 async def bridged(
     request: pytest.FixtureRequest, dynamodb_endpoint: str
 ) -> AsyncIterator[tuple[Cluster, str]]:
-    redis: RedisServer | RedisCluster
-    if getattr(request, "param", "redis") == "redis-cluster":
-        shared: RedisCluster = request.getfixturevalue("shared_redis_cluster")
-        shared.flush()
-        redis = shared
-    else:
-        redis = start_redis_server()
+    redis = redis_for(request)
     table = f"bridge-{uuid.uuid4().hex[:12]}"
     await create_table(dynamodb_endpoint, table, REGION)
     queue_url: str = sqs(dynamodb_endpoint).create_queue(
