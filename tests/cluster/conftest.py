@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Generator, Iterator
+from typing import Any
 
 import pytest
 
@@ -36,26 +37,28 @@ def pytest_runtest_makereport(
 FAILED = pytest.StashKey[bool]()
 
 
-def redis_for(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
+@contextlib.contextmanager
+def redis_for(request: pytest.FixtureRequest) -> Iterator[RedisServer | RedisCluster]:
     """The test's Redis by its parameter: a fresh one of its own (it may restart
-    it; the caller stops it), or the session's Redis Cluster, emptied."""
+    it), stopped afterwards, or the session's Redis Cluster, emptied."""
     if getattr(request, "param", "redis") == "redis-cluster":
         shared: RedisCluster = request.getfixturevalue("shared_redis_cluster")
         shared.flush()
-        return shared
-    return start_redis_server()
+        yield shared
+        return
+    redis = start_redis_server()
+    try:
+        yield redis
+    finally:
+        redis.stop()
 
 
 @pytest.fixture
 async def cluster(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> AsyncIterator[Cluster]:
     """Three started nodes on one Redis of the test's own (it may restart it)."""
-    redis = redis_for(request)
-    try:
+    with redis_for(request) as redis:
         async with nodes_on(redis, request, dynamodb_endpoint, NODES) as running:
             yield running
-    finally:
-        if isinstance(redis, RedisServer):
-            redis.stop()
 
 
 @pytest.fixture
@@ -75,15 +78,19 @@ async def nodes_on(
     request: pytest.FixtureRequest,
     dynamodb_endpoint: str,
     names: tuple[str, ...] = NODES,
+    *,
+    table: str | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[Cluster]:
-    """The named nodes, started on ``redis`` with a table of their own; their logs if the
-    test failed."""
-    table = f"cluster-{uuid.uuid4().hex[:12]}"
-    await create_table(dynamodb_endpoint, table, REGION)
+    """The named nodes, started on ``redis`` with ``overrides`` of their settings, on
+    ``table`` or a table of their own; their logs if the test failed."""
+    if table is None:
+        table = f"cluster-{uuid.uuid4().hex[:12]}"
+        await create_table(dynamodb_endpoint, table, REGION)
     workdir = new_workdir()
     running = Cluster(redis, dynamodb_endpoint, table, workdir)
     try:
-        await running.start(*names)
+        await running.start(*names, **overrides)
         yield running
     finally:
         await running.close()

@@ -159,9 +159,10 @@ class Cluster:
             return make_cluster_client(self.redis.url)
         return aioredis.Redis.from_url(self.redis.url)
 
-    async def start(self, *names: str, within: float = 30.0) -> None:
+    async def start(self, *names: str, within: float = 30.0, **overrides: Any) -> None:
+        """Spawn the named nodes (with ``overrides`` of their settings) and wait for each."""
         for name in names:
-            self.spawn(name)
+            self.spawn(name, **overrides)
         for name in names:
             try:
                 await self.wait_ready(name, within)
@@ -172,7 +173,7 @@ class Cluster:
                 if "address already in use" not in self.nodes[name].log():
                     raise
                 del self.nodes[name]
-                self.spawn(name)
+                self.spawn(name, **overrides)
                 await self.wait_ready(name, within)
 
     async def wait_ready(self, name: str, within: float = 30.0) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,9 +13,8 @@ import pytest
 
 from server.store.dynamodb import create_table
 from tests.client import Client
-from tests.cluster.conftest import FAILED, redis_for
-from tests.cluster.harness import REGION, Cluster, eventually, new_workdir, remove_workdir
-from tests.services import RedisServer
+from tests.cluster.conftest import nodes_on, redis_for
+from tests.cluster.harness import REGION, Cluster, eventually
 from tests.test_table_stream import enable_stream, put_notification
 
 NODES = ("p1", "p2")
@@ -43,26 +41,21 @@ async def reader_node(cluster: Cluster) -> str | None:
 async def pushing(
     request: pytest.FixtureRequest, dynamodb_endpoint: str
 ) -> AsyncIterator[tuple[Cluster, Any]]:
-    redis = redis_for(request)
     table = f"notif-{uuid.uuid4().hex[:12]}"
     await create_table(dynamodb_endpoint, table, REGION)
     raw = boto3.client("dynamodb", endpoint_url=dynamodb_endpoint, region_name=REGION)
     enable_stream(raw, table)
-    workdir = new_workdir()
-    cluster = Cluster(redis, dynamodb_endpoint, table, workdir)
-    try:
-        for name in NODES:
-            cluster.spawn(name, notifications_from_stream="true", stream_poll_ms=200)
-        for name in NODES:
-            await cluster.wait_ready(name)
-        yield cluster, raw
-    finally:
-        await cluster.close()
-        if request.node.stash.get(FAILED, True) or os.environ.get("AP_CLUSTER_LOGS"):
-            print(cluster.logs())
-        if isinstance(redis, RedisServer):
-            redis.stop()
-        remove_workdir(workdir)
+    with redis_for(request) as redis:
+        async with nodes_on(
+            redis,
+            request,
+            dynamodb_endpoint,
+            NODES,
+            table=table,
+            notifications_from_stream="true",
+            stream_poll_ms=200,
+        ) as cluster:
+            yield cluster, raw
 
 
 @pytest.mark.parametrize("pushing", ["redis", "redis-cluster"], indirect=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,10 +18,9 @@ import boto3
 import pytest
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
-from server.store.dynamodb import create_table
 from tests.client import Client
-from tests.cluster.conftest import FAILED, redis_for
-from tests.cluster.harness import REGION, Cluster, eventually, new_workdir, remove_workdir
+from tests.cluster.conftest import nodes_on, redis_for
+from tests.cluster.harness import REGION, Cluster, eventually
 from tests.services import RedisServer
 
 NODES = ("b1", "b2")
@@ -73,34 +71,22 @@ async def drained(cluster: Cluster, queue_url: str, within: float) -> None:
 async def bridged(
     request: pytest.FixtureRequest, dynamodb_endpoint: str
 ) -> AsyncIterator[tuple[Cluster, str]]:
-    redis = redis_for(request)
-    table = f"bridge-{uuid.uuid4().hex[:12]}"
-    await create_table(dynamodb_endpoint, table, REGION)
     queue_url: str = sqs(dynamodb_endpoint).create_queue(
         QueueName=f"ws-messages-{uuid.uuid4().hex[:10]}", Attributes={"VisibilityTimeout": "900"}
     )["QueueUrl"]
-    workdir = new_workdir()
-    cluster = Cluster(redis, dynamodb_endpoint, table, workdir)
-    try:
-        for name in NODES:
-            cluster.spawn(
-                name,
-                sqs_queue_url=queue_url,
-                sqs_endpoint=dynamodb_endpoint,
-                sqs_wait_seconds=1,
-                sqs_visibility_seconds=3,
-                sqs_pollers=2,
-            )
-        for name in NODES:
-            await cluster.wait_ready(name)
-        yield cluster, queue_url
-    finally:
-        await cluster.close()
-        if request.node.stash.get(FAILED, True) or os.environ.get("AP_CLUSTER_LOGS"):
-            print(cluster.logs())
-        if isinstance(redis, RedisServer):
-            redis.stop()
-        remove_workdir(workdir)
+    with redis_for(request) as redis:
+        async with nodes_on(
+            redis,
+            request,
+            dynamodb_endpoint,
+            NODES,
+            sqs_queue_url=queue_url,
+            sqs_endpoint=dynamodb_endpoint,
+            sqs_wait_seconds=1,
+            sqs_visibility_seconds=3,
+            sqs_pollers=2,
+        ) as cluster:
+            yield cluster, queue_url
 
 
 ON_BOTH = pytest.mark.parametrize("bridged", ["redis", "redis-cluster"], indirect=True)
