@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.procstat import machine, raise_fd_limit
-from loadtest.progress import Progress
-from loadtest.runner import Options, Run
-from loadtest.scenarios import SCENARIOS as BASE_SCENARIOS
-from loadtest.stream_scenarios import STREAM_SCENARIOS
-from loadtest.targets import format_value
+from loadtest.harness.procstat import machine, raise_fd_limit
+from loadtest.harness.progress import Progress
+from loadtest.harness.runner import Options, Run
+from loadtest.report.targets import format_value
+from loadtest.scenarios.core import SCENARIOS as BASE_SCENARIOS
+from loadtest.scenarios.streams import STREAM_SCENARIOS
 
 SCENARIOS = {**BASE_SCENARIOS, **STREAM_SCENARIOS}
 
@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps(_clean(result), indent=1) + "\n")
         print(f"figures: {args.json}")
     if args.report is not None:
-        from loadtest.report import write_report
+        from loadtest.report.plots import write_report
 
         path = write_report(result, args.report)
         print(f"report: {path}")

@@ -39,7 +39,7 @@ def _fail(message: str) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = config.load(args)
-    from server import logs
+    from server.runtime import logs
 
     logs.configure(settings.log_level, settings.log_format, settings.node_id)
     from server.app import serve_forever

@@ -28,23 +28,23 @@ from protocol.errors import (
 )
 from protocol.messages import Chat, Subscribe, SyncPresence, WatchGames
 from protocol.parse import parse_client_frame
-from server import logs
-from server.auth import Authenticator, BotVerifier, CognitoVerifier, DevVerifier
+from server.auth.jwks import jwks_source
+from server.auth.verify import Authenticator, BotVerifier, CognitoVerifier, DevVerifier
 from server.bus.base import Bus
 from server.bus.memory import MemoryBus
 from server.bus.streams import MemoryStreams
 from server.config import Settings
-from server.connection import GuardedConnection, Session
-from server.dedup import Dedup, MemoryDedup, RedisClusterDedup, RedisDedup
+from server.coordination.dedup import Dedup, MemoryDedup, RedisClusterDedup, RedisDedup
+from server.coordination.lease import Lease, MemoryLease, RedisLease
 from server.ingress.http import build_app
-from server.jwks import jwks_source
-from server.lease import Lease, MemoryLease, RedisLease
-from server.limits import TokenBucket
-from server.metrics import REGISTRY
 from server.node import Coordination, Node
-from server.pauses import PauseWatch
-from server.presence import MemoryPresenceBackend, PresenceBackend
-from server.reclaim import Reclaimer
+from server.presence.core import MemoryPresenceBackend, PresenceBackend
+from server.runtime import logs
+from server.runtime.metrics import REGISTRY
+from server.runtime.pauses import PauseWatch
+from server.runtime.reclaim import Reclaimer
+from server.runtime.token_bucket import TokenBucket
+from server.session import GuardedConnection, Session
 from server.store.base import Store
 from server.store.memory import MemoryStore
 
@@ -94,7 +94,7 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
         from server.bus.redis_bus import RedisBus
         from server.bus.redis_cluster_bus import RedisClusterBus
         from server.bus.redis_streams import RedisStreams
-        from server.cluster import RedisPresenceBackend
+        from server.presence.redis import RedisPresenceBackend
 
         redis_bus: RedisBus | RedisClusterBus
         if settings.redis_cluster_url is not None:
@@ -167,7 +167,7 @@ def add_bridges(node: Node, settings: Settings) -> None:
             )
         )
     if settings.notifications_from_stream:
-        from server.services.notifications import NotificationPush
+        from server.ingress.notifications import NotificationPush
 
         node.services.append(
             NotificationPush(
@@ -187,7 +187,7 @@ def _lease(node: Node, settings: Settings, key: str) -> Lease:
     """One holder in the cluster (Redis); embedded, the one process always holds it."""
     if not settings.clustered:
         return MemoryLease()
-    from server.cluster import lease_ms_for
+    from server.presence.redis import lease_ms_for
 
     token = f"{settings.node_id}/{uuid.uuid4().hex}"
     lease_ms = lease_ms_for(settings.node_heartbeat_ms)
@@ -208,10 +208,10 @@ def redis_coordination(settings: Settings) -> Coordination:
     Their keys carry the hash tag of a game or a user, one key per script, so
     they work unchanged on a Redis Cluster.
     """
+    from server.coordination.claims import RedisClaims
+    from server.coordination.game_lock import RedisGameLocks
+    from server.coordination.rate_limit import RedisRateLimiter
     from server.services.chat import RATE_WINDOW_SECONDS
-    from server.services.claims import RedisClaims
-    from server.services.game_lock import RedisGameLocks
-    from server.services.rate_limit import RedisRateLimiter
 
     sharded = settings.redis_cluster_url is not None
     url = settings.redis_cluster_url if sharded else settings.redis_url

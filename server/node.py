@@ -69,8 +69,7 @@ from protocol.streams import (
     stream_user,
     user_stream,
 )
-from server.auth import Authenticator, AuthError, AuthUnavailable
-from server.batching import CoalescingFlusher
+from server.auth.verify import Authenticator, AuthError, AuthUnavailable
 from server.bus.base import Bus
 from server.bus.streams import Append, Streams
 from server.bus.topics import (
@@ -82,27 +81,28 @@ from server.bus.topics import (
     game_topic,
 )
 from server.config import Settings
-from server.connection import Session, send_frame, send_frames
-from server.history_reads import HistoryReads
-from server.metrics import REGISTRY
-from server.presence import (
+from server.coordination.claims import Claims, MemoryClaims
+from server.coordination.game_lock import GameLocks, MemoryGameLocks
+from server.coordination.rate_limit import MemoryRateLimiter, RateLimiter
+from server.presence.core import (
     LocalPresence,
     PresenceBackend,
     PresenceView,
     PresenceWriter,
     presence_resyncs,
 )
-from server.registry import ConnectionRegistry
+from server.routing.history_reads import HistoryReads
+from server.routing.subscribe_batching import SubscribeBatcher
+from server.runtime.connection_rows import ConnectionRegistry
+from server.runtime.metrics import REGISTRY
+from server.runtime.write_behind import CoalescingFlusher
 from server.services import Service
 from server.services.bots import BotService
 from server.services.chat import RATE_WINDOW_SECONDS, ChatService
 from server.services.chat_marks import ChatMarks
-from server.services.claims import Claims, MemoryClaims
-from server.services.game_lock import GameLocks, MemoryGameLocks
 from server.services.last_seen import LastSeen
-from server.services.rate_limit import MemoryRateLimiter, RateLimiter
+from server.session import Session, send_frame, send_frames
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
-from server.subscriptions import SubscribeBatcher
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 import boto3
 import pytest
 
-from loadtest.redis_cluster import RedisCluster, redis_cluster_for_tests
+from loadtest.harness.redis_cluster import RedisCluster, redis_cluster_for_tests
 from server.app import bound_port, build_node, start_listeners
 from server.config import Settings
 from server.node import Node

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.servers import redis_ping
+from loadtest.harness.servers import redis_ping
 
 HOST = "127.0.0.1"
 DYNAMODB_ENDPOINT_ENV = "AP_TEST_DYNAMODB_ENDPOINT"

@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
-from server.auth import Authenticator, AuthError, CognitoVerifier, DevVerifier
-from server.jwks import FileJwks
+from server.auth.jwks import FileJwks
+from server.auth.verify import Authenticator, AuthError, CognitoVerifier, DevVerifier
 from tests.client import DEV_SECRET, dev_token
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
 

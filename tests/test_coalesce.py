@@ -10,8 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from server.bus.coalesce import ScriptCoalescer
 from server.bus.redis_streams import RedisStreams
+from server.redis.coalesce import ScriptCoalescer
 from tests.services import redis_url_for_tests
 
 INCR_BY = """

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from server.metrics import REGISTRY
+from server.runtime.metrics import REGISTRY
 from server.store.base import ConnectionRecord
 from server.store.dynamodb import DynamoStore
 from tests.client import Client

@@ -1,4 +1,4 @@
-"""The node's batched history reads (server/history_reads.py), over the real MemoryStreams.
+"""The node's batched history reads (server/routing/history_reads.py), over the real MemoryStreams.
 
 ``CountingStreams`` is MemoryStreams itself; it only records each ``read_many``
 and can hold a batch in flight, to see what joins which round trip.
@@ -16,7 +16,7 @@ from protocol.messages import Broadcast, GameEvent
 from protocol.streams import HistoryRead
 from server.bus import MemoryBus
 from server.bus.streams import HistoryAsk, MemoryStreams
-from server.history_reads import HistoryReads
+from server.routing.history_reads import HistoryReads
 
 
 class CountingStreams(MemoryStreams):

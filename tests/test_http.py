@@ -49,8 +49,8 @@ async def test_unknown_paths_are_404(server: RunningServer) -> None:
 
 
 async def test_metrics_use_the_prometheus_content_type_and_types() -> None:
-    from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-    from server.metrics import REGISTRY
+    from server.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+    from server.runtime.metrics import REGISTRY
 
     assert METRICS_CONTENT_TYPE.startswith("text/plain; version=0.0.4")
     text = REGISTRY.render()

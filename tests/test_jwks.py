@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from server.auth import AuthError, AuthUnavailable, BotVerifier, CognitoVerifier
-from server.jwks import HttpJwks, JwksUnavailable, UnknownKey
+from server.auth.jwks import HttpJwks, JwksUnavailable, UnknownKey
+from server.auth.verify import AuthError, AuthUnavailable, BotVerifier, CognitoVerifier
 from tests.tokens import BOT_SCOPE, HUMAN_CLIENT_ID, JwksServer
 
 

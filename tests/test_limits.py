@@ -7,8 +7,8 @@ import pytest
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import WatchGames
 from protocol.parse import parse_broadcast, parse_client_frame
-from server.limits import TokenBucket
-from server.reclaim import Reclaimer, reclaims
+from server.runtime.reclaim import Reclaimer, reclaims
+from server.runtime.token_bucket import TokenBucket
 
 
 def test_a_bucket_gives_its_burst_then_its_rate() -> None:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 
-from server import logs
+from server.runtime import logs
 
 
 def record(message: str, **extra: object) -> logging.LogRecord:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from server.config import Settings
-from server.services.notifications import notification_of
+from server.ingress.notifications import notification_of
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
 from tests.services import redis_url_for_tests
@@ -110,9 +110,9 @@ async def test_a_record_published_again_with_no_dedup_trace_is_pushed_once(
     """A reader killed between publishing and marking done leaves only a claim that
     expires; the next reader (here: one whose dedup store knows nothing) publishes the
     record again. The append is named by the row's sk, so the user hears it once."""
-    from server.dedup import MemoryDedup
-    from server.lease import MemoryLease
-    from server.services.notifications import NotificationPush
+    from server.coordination.dedup import MemoryDedup
+    from server.coordination.lease import MemoryLease
+    from server.ingress.notifications import NotificationPush
 
     tab = await pushing.subscribed("alice", since={})
     sk = put_notification(raw, stream_table, "alice", 1)

@@ -6,7 +6,7 @@ import asyncio
 import gc
 import time
 
-from server.pauses import PauseWatch, gc_pause_seconds, loop_busy_stalls, loop_stalls
+from server.runtime.pauses import PauseWatch, gc_pause_seconds, loop_busy_stalls, loop_stalls
 
 
 async def test_a_long_step_of_this_process_is_a_busy_stall() -> None:

@@ -14,7 +14,7 @@ from protocol.envelope import decode_envelope, encode_envelope
 from protocol.messages import PresenceDelta
 from server.bus.memory import MemoryBus
 from server.bus.topics import PRESENCE
-from server.presence import MemoryPresenceBackend, PresenceWriter, delta_of, diff
+from server.presence.core import MemoryPresenceBackend, PresenceWriter, delta_of, diff
 from server.store.memory import MemoryStore
 from tests.client import Client
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server

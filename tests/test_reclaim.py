@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-from server.reclaim import YOUNG_OBJECTS_COLLECTED, Reclaimer
+from server.runtime.reclaim import YOUNG_OBJECTS_COLLECTED, Reclaimer
 
 
 def test_reclaim_collects_small_young_generations_and_leaves_large_ones() -> None:

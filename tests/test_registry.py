@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from server.registry import ConnectionRegistry, Delete, Put, Ttl, Watch, merge
+from server.runtime.connection_rows import ConnectionRegistry, Delete, Put, Ttl, Watch, merge
 from server.store.base import ConnectionRecord
 from server.store.memory import MemoryStore
 from tests.conftest import TEST_SETTINGS, run_server

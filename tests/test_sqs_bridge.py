@@ -18,7 +18,7 @@ from typing import Any
 import boto3
 import pytest
 
-from server.metrics import REGISTRY
+from server.runtime.metrics import REGISTRY
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
 from tests.services import DynamoFaultProxy, redis_url_for_tests
@@ -264,7 +264,7 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
     again: the append remembers the MessageId, so clients get each event once."""
     from protocol.parse import parse_broadcast
     from server.bus.redis_bus import make_client
-    from server.dedup import Claim, RedisDedup
+    from server.coordination.dedup import Claim, RedisDedup
     from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
 
     # Names of this test's own: .ci/run shares one Redis between tests, and the

@@ -15,8 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
+from server.coordination.lease import MemoryLease
 from server.ingress.table_stream import TableStreamReader
-from server.lease import MemoryLease
 from server.store.dynamodb import DynamoStore
 from tests.services import DynamoFaultProxy
 from tests.test_table_stream import Recorder, put_notification, streamed, until

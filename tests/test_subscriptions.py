@@ -1,4 +1,4 @@
-"""Batched subscribes (server/subscriptions.py): over a real Redis bus, and a
+"""Batched subscribes (server/routing/subscribe_batching.py): over a real Redis bus, and a
 MemoryBus that records its calls and can hold one out."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from server.bus import MemoryBus
 from server.bus.redis_bus import RedisBus
-from server.subscriptions import SubscribeBatcher
+from server.routing.subscribe_batching import SubscribeBatcher
 from tests.contract.test_bus_contract import Receiver
 from tests.services import redis_url_for_tests
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from server.bus.redis_bus import make_client
+from server.coordination.lease import Lease, MemoryLease, RedisLease
 from server.ingress.table_stream import (
     Plan,
     Position,
@@ -24,7 +25,6 @@ from server.ingress.table_stream import (
     TableStreamReader,
     plan_shards,
 )
-from server.lease import Lease, MemoryLease, RedisLease
 from server.store.base import ShardCheckpoint
 from server.store.dynamodb import DynamoStore
 from tests.conftest import TEST_REGION, new_table

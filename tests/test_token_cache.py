@@ -7,8 +7,8 @@ import time
 import jwt
 import pytest
 
-from server.auth import Authenticator, AuthError, DevVerifier, Identity
-from server.token_cache import TokenCache
+from server.auth.token_cache import TokenCache
+from server.auth.verify import Authenticator, AuthError, DevVerifier, Identity
 from tests.client import DEV_SECRET, dev_token
 
 

@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 from server.bus.base import BusDown, MessageHandler
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
-from server.metrics import REGISTRY
+from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ one another, and a lost shard is repaired explicitly:
    snapshots), and only then delivers what the new connections received.
 
 Publishing (``SPUBLISH``, and the streams' scripts) goes over one pipelined
-connection per primary (:mod:`server.bus.shard_pipes`), routed by the same
+connection per primary (:mod:`server.redis.shard_pipes`), routed by the same
 slot map, and retries through a failover (up to ``publish_deadline``) instead
 of dropping the event; past that it delivers to this node only, as the
 single-Redis bus does while Redis is away.
@@ -58,9 +58,9 @@ from server.bus.redis_bus import (
     channel_for,
     make_client,
 )
-from server.bus.shard_pipes import FAILOVER_RETRY_S, ShardPipes
-from server.bus.shard_pipes import retries as failover_retries
-from server.metrics import REGISTRY
+from server.redis.shard_pipes import FAILOVER_RETRY_S, ShardPipes
+from server.redis.shard_pipes import retries as failover_retries
+from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ class RedisClusterBus(LocalDelivery):
     """The :class:`~server.bus.base.Bus` over a Redis Cluster (``--redis-cluster-url``)."""
 
     sharded = True
-    """Scripts publish with ``SPUBLISH`` (``server.cluster_lua.for_bus``)."""
+    """Scripts publish with ``SPUBLISH`` (``server.presence.scripts.for_bus``)."""
 
     def __init__(
         self,

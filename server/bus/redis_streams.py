@@ -21,7 +21,7 @@ Given an event id it first looks for the id key: if there, it returns the
 position stored in it and does nothing else; if not, it appends and sets it.
 
 On one Redis the appends of concurrent callers go out together, one pipeline
-per round trip (:mod:`server.bus.coalesce`), still one script run per event.
+per round trip (:mod:`server.redis.coalesce`), still one script run per event.
 
 On a Redis Cluster (:meth:`RedisStreams.on_cluster`) the script runs on the
 shard of the stream's slot and publishes with ``SPUBLISH`` only on the
@@ -31,7 +31,7 @@ clients) is published by the caller as the script's reply arrives, with the
 position it returned, without waiting for it (replies arrive in offset order,
 and :meth:`ShardPipes.publish_in_order` keeps that order). A script may not
 reach into another slot. Scripts and publishes go over the bus's
-:class:`~server.bus.shard_pipes.ShardPipes`, not redis-py's cluster client.
+:class:`~server.redis.shard_pipes.ShardPipes`, not redis-py's cluster client.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from redis.crc import key_slot
 from protocol.envelope import encode_positioned
 from protocol.messages import Position
 from protocol.streams import HistoryRead
-from server.bus.coalesce import ScriptCoalescer
 from server.bus.redis_bus import channel_for, make_client
 from server.bus.redis_cluster_bus import RedisClusterBus
-from server.bus.shard_pipes import Script, ShardPipes
 from server.bus.streams import DEFAULT_LIMITS, Append, HistoryAsk, StreamLimits, new_epoch
-from server.cluster_lua import for_bus
+from server.presence.scripts import for_bus
+from server.redis.coalesce import ScriptCoalescer
+from server.redis.shard_pipes import Script, ShardPipes
 
 APPEND = """
 if KEYS[3] then

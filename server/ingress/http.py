@@ -16,9 +16,9 @@ from protocol.errors import ProtocolError
 from protocol.messages import AdminTest
 from protocol.parse import parse_broadcast
 from server.ingress import status
-from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from server.metrics import REGISTRY
 from server.node import Node
+from server.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 

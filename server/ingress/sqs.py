@@ -10,7 +10,7 @@ door as ``POST /publish``, so the backend changes nothing on day one.
   the bus is down the poller backs off with jitter and the message stays in the
   queue, to be received again.
 - **Exactly once for clients.** SQS delivers at least once, sometimes to two
-  nodes at once. Each MessageId is claimed in :mod:`server.dedup` before it is
+  nodes at once. Each MessageId is claimed in :mod:`server.coordination.dedup` before it is
   published and marked done after, for 15 minutes, so every node may run the
   bridge (competing consumers) and each message reaches clients once. A message
   another node is publishing right now is handed back to the queue for a few
@@ -41,9 +41,9 @@ from botocore.config import Config
 from protocol.errors import ProtocolError
 from protocol.messages import Broadcast
 from protocol.parse import parse_broadcast
-from server.dedup import Claim, Dedup
-from server.metrics import REGISTRY
+from server.coordination.dedup import Claim, Dedup
 from server.node import Node
+from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
-from server.metrics import REGISTRY
 from server.node import Node
+from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Read the table's DynamoDB Stream: one reader in the cluster, durable checkpoints.
 
-Used by the notification push (``server/services/notifications.py``), which
+Used by the notification push (``server/ingress/notifications.py``), which
 hands in a function that takes a batch of records and publishes what matters.
 
-- **One reader.** The node holding the lease (``server/lease.py``) reads; the
+- **One reader.** The node holding the lease (``server/coordination/lease.py``) reads; the
   others wait. Each new reader takes a fence number from the table
   (``wsMeta/notificationStream``, ``docs/access-patterns.md``), and every
   checkpoint it writes carries it: a stale reader (a long pause, a Redis
@@ -39,8 +39,8 @@ import aioboto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from server.lease import Lease, LeaseState
-from server.metrics import REGISTRY
+from server.coordination.lease import Lease, LeaseState
+from server.runtime.metrics import REGISTRY
 from server.store.base import Fenced, ShardCheckpoint, Store, StreamReaderState
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Bots as WebSocket clients: who may connect, and which games wait for their move.
 
-A bot proves who it is with an access token of the bot pool (``server.auth``);
+A bot proves who it is with an access token of the bot pool (``server.auth.verify``);
 here it must also have a ``BOT`` row, and may hold at most
 ``--bot-max-connections`` sockets on one node. Right after it subscribes, it is
 told every current game where it is to move (``pendingTurns``, from its
@@ -19,8 +19,8 @@ from protocol.codec import Frame
 from protocol.errors import MAX_WATCHED_GAMES, CloseCode, ErrorCode
 from protocol.messages import GameKey, PendingTurns, game_key
 from protocol.streams import user_stream
-from server.connection import Session
-from server.metrics import REGISTRY
+from server.runtime.metrics import REGISTRY
+from server.session import Session
 from server.store.base import CurrentGame, Store, StoreUnavailable
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ The path of one ``chat`` action (``docs/protocol.md``, "Chat"):
 2. authorization as today: the active ``GAME`` row's players (read with a
    projection), or a site admin (``USER.admin``); completed and unknown games
    are refused;
-3. under the game's lock (:mod:`server.services.game_lock`): one conditional
+3. under the game's lock (:mod:`server.coordination.game_lock`): one conditional
    append to ``GAMECOMMENTS`` (cap and idempotency enforced by DynamoDB), the
    ``chatAck``, then the ``chat`` event and the ``game`` hint published, so the
    stored order and the order of the game's events are the same;
@@ -24,11 +24,11 @@ from protocol.codec import Frame
 from protocol.errors import ErrorCode
 from protocol.messages import Broadcast, Chat, ChatAck
 from protocol.parse import parse_broadcast
-from server.connection import Session
-from server.metrics import REGISTRY
+from server.coordination.game_lock import GameLocks, LockUnavailable
+from server.coordination.rate_limit import RateLimiter
+from server.runtime.metrics import REGISTRY
 from server.services.chat_marks import ChatMarks
-from server.services.game_lock import GameLocks, LockUnavailable
-from server.services.rate_limit import RateLimiter
+from server.session import Session
 from server.store.base import Store, StoreUnavailable
 from server.store.records import AppendStatus, GameStatus, StoredComment, comment_key
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from server.batching import CoalescingFlusher
-from server.metrics import REGISTRY
+from server.runtime.metrics import REGISTRY
+from server.runtime.write_behind import CoalescingFlusher
 from server.store.base import Store
 
 mark_retries = REGISTRY.counter(

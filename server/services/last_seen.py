@@ -14,9 +14,9 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from server.batching import CoalescingFlusher
-from server.metrics import REGISTRY
-from server.services.claims import Claims
+from server.coordination.claims import Claims
+from server.runtime.metrics import REGISTRY
+from server.runtime.write_behind import CoalescingFlusher
 from server.store.base import Store
 from server.store.records import LAST_SEEN_INTERVAL_MS
 

@@ -23,7 +23,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from server.metrics import REGISTRY
+from server.runtime.metrics import REGISTRY
 from server.store import keys
 from server.store.base import (
     STREAM_CHECKPOINT_TTL_SECONDS,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.redis_cluster import RedisCluster
+from loadtest.harness.redis_cluster import RedisCluster
 from server.store.dynamodb import create_table
 from tests.cluster.harness import REGION, Cluster, new_workdir, remove_workdir
 from tests.services import RedisServer, start_redis_server

@@ -13,14 +13,14 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.crc import key_slot
 
-from loadtest.redis_cluster import RedisCluster
+from loadtest.harness.redis_cluster import RedisCluster
 from protocol.envelope import decode_positioned
 from server.bus.redis_bus import channel_for
 from server.bus.redis_cluster_bus import RedisClusterBus, make_cluster_client
 from server.bus.redis_streams import RedisStreams
-from server.bus.shard_pipes import ShardPipes
 from server.bus.topics import ALL_GAMES
-from server.metrics import REGISTRY
+from server.redis.shard_pipes import ShardPipes
+from server.runtime.metrics import REGISTRY
 from tests.cluster.harness import eventually
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from loadtest.redis_cluster import RedisCluster
+from loadtest.harness.redis_cluster import RedisCluster
 from server.bus import Bus, MemoryBus, MemoryHub
 from server.bus.redis_bus import RedisBus
 from server.bus.redis_cluster_bus import RedisClusterBus

@@ -13,16 +13,16 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from loadtest.redis_cluster import RedisCluster
-from server.services.claims import Claims, MemoryClaims, RedisClaims
-from server.services.game_lock import (
+from loadtest.harness.redis_cluster import RedisCluster
+from server.coordination.claims import Claims, MemoryClaims, RedisClaims
+from server.coordination.game_lock import (
     GameLocks,
     LockUnavailable,
     MemoryGameLocks,
     RedisGameLocks,
     lock_key,
 )
-from server.services.rate_limit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
+from server.coordination.rate_limit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
 from tests.services import free_port, redis_url_for_tests
 
 

@@ -1,6 +1,6 @@
 """The Dedup contract: one suite over every implementation.
 
-What every dedup promises (``server/dedup.py``), in memory, on one Redis and on
+What every dedup promises (``server/coordination/dedup.py``), in memory, on one Redis and on
 the session's Redis Cluster (keys of one call spread over its slots and primaries):
 a free key is claimed once;
 while claimed it is BUSY to other tokens and CLAIMED again to its holder;
@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from loadtest.redis_cluster import RedisCluster
+from loadtest.harness.redis_cluster import RedisCluster
 from server.bus.redis_bus import make_client
 from server.bus.redis_cluster_bus import make_cluster_client
-from server.dedup import Claim, Dedup, MemoryDedup, RedisClusterDedup, RedisDedup
+from server.coordination.dedup import Claim, Dedup, MemoryDedup, RedisClusterDedup, RedisDedup
 from tests.services import redis_url_for_tests
 
 

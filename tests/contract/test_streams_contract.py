@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from loadtest.redis_cluster import RedisCluster
+from loadtest.harness.redis_cluster import RedisCluster
 from protocol.envelope import decode_positioned
 from server.bus import Bus, MemoryBus, MemoryHub
 from server.bus.redis_bus import RedisBus

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from server.metrics import REGISTRY
+from server.runtime.metrics import REGISTRY
 from server.store import ConnectionRecord, StoreUnavailable, keys, ttl_from_now
 from server.store.dynamodb import DynamoStore, create_table
 from tests.services import DynamoFaultProxy

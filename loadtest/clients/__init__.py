@@ -1,0 +1,1 @@
+"""Load generators: simulated browsers and bots, the publisher, attackers."""

@@ -1,0 +1,1 @@
+"""Processes under test, the worker pool and the run's phases."""

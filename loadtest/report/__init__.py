@@ -1,0 +1,1 @@
+"""Figures: histograms, targets and verdicts, the markdown and plot report."""

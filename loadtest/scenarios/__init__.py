@@ -1,0 +1,1 @@
+"""The scenarios ``python -m loadtest`` runs."""

@@ -1,0 +1,1 @@
+"""Who a token belongs to: verifiers, signing keys, the verified-token cache."""

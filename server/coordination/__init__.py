@@ -1,0 +1,1 @@
+"""Cluster-wide coordination primitives: lease, dedup, game locks, rate limits, claims."""

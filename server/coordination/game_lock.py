@@ -1,0 +1,226 @@
+"""One writer at a time per game, across the cluster: what keeps chat in order.
+
+Chat must store comments in the same order as their events' stream positions.
+The append (DynamoDB) and the publish (the bus, which assigns the position) are
+two systems, so the service holds a per-game lock around both: whoever appends
+next also publishes next. On one node an ``asyncio.Lock`` per game is enough;
+in a cluster a Redis lease (``SET NX PX``) is taken as well, renewed while held,
+and released only by its holder (compare-and-delete in Lua).
+
+The lease is what bounds the damage of a holder that stalls: past the lease,
+another node may go ahead. The holder therefore checks and extends its lease
+right before it publishes (``confirm``); ``ap_game_lock_lost_total`` counts the
+rare case where it had lost it, in which the order of those two comments may
+differ between the item and the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from redis.exceptions import RedisError
+
+from server.bus.redis_cluster_bus import command_client_for, script_for
+from server.runtime.metrics import REGISTRY
+
+log = logging.getLogger(__name__)
+
+locks_lost = REGISTRY.counter(
+    "ap_game_lock_lost_total", "Per-game chat leases found expired before the publish"
+)
+lock_timeouts = REGISTRY.counter(
+    "ap_game_lock_timeouts_total", "Per-game chat locks not obtained within the wait"
+)
+
+LEASE_MS = 10_000
+"""A holder that stalls this long loses the game to the next writer."""
+
+WAIT_SECONDS = 20.0
+"""Longest wait for a game's lock before the post is refused as ``unavailable``."""
+
+
+class LockUnavailable(Exception):
+    """The lock could not be taken in time, or Redis could not be reached."""
+
+
+class Held(Protocol):
+    async def confirm(self) -> bool:
+        """Check (and extend) that this holder still has the game; False if lost."""
+
+
+class GameLocks(Protocol):
+    def hold(self, key: str) -> contextlib.AbstractAsyncContextManager[Held]:
+        """Hold ``key`` exclusively for the ``async with`` body."""
+
+    async def close(self) -> None: ...
+
+
+class _LocalLocks:
+    """Per-key asyncio locks, dropped when nobody holds or waits for them."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str, deadline: float) -> AsyncIterator[None]:
+        """Hold ``key``; LockUnavailable if it is not free by ``deadline`` (monotonic)."""
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            try:
+                async with asyncio.timeout_at(_loop_time(deadline)):
+                    await lock.acquire()
+            except TimeoutError:
+                lock_timeouts.inc()
+                raise LockUnavailable("the game is busy; try again") from None
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+def _loop_time(deadline: float) -> float:
+    """A ``time.monotonic()`` deadline on the event loop's clock."""
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+
+
+class _AlwaysHeld:
+    async def confirm(self) -> bool:
+        return True
+
+
+class MemoryGameLocks:
+    """The embedded default: one process, so a local lock is the whole story."""
+
+    def __init__(self, *, wait: float = WAIT_SECONDS) -> None:
+        self._local = _LocalLocks()
+        self._wait = wait
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[Held]:
+        async with self._local.hold(key, time.monotonic() + self._wait):
+            yield _AlwaysHeld()
+
+    async def close(self) -> None:
+        return None
+
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+_EXTEND = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+def lock_key(key: str) -> str:
+    """Beside the game's channel, in the same hash tag (one Redis Cluster slot)."""
+    return "ap:{game:" + key + "}:chat-lock"
+
+
+class _Lease:
+    def __init__(self, locks: RedisGameLocks, name: str, token: str) -> None:
+        self._locks = locks
+        self._name = name
+        self._token = token
+        self.lost = False
+
+    async def extend(self) -> bool:
+        try:
+            ok = await self._locks._extend(keys=[self._name], args=[self._token, LEASE_MS])
+        except (RedisError, OSError) as exc:
+            log.warning("could not extend the chat lease %s: %s", self._name, exc)
+            return not self.lost
+        if not ok:
+            self.lost = True
+        return not self.lost
+
+    async def confirm(self) -> bool:
+        held = await self.extend()
+        if not held:
+            locks_lost.inc()
+            log.warning("chat lease %s expired before the publish", self._name)
+        return held
+
+    async def renew_forever(self) -> None:
+        while not self.lost:
+            await asyncio.sleep(LEASE_MS / 3000)
+            await self.extend()
+
+
+class RedisGameLocks:
+    """A local lock per game first (so a node sends one contender to Redis), then a lease."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        lease_ms: int = LEASE_MS,
+        wait: float = WAIT_SECONDS,
+        cluster: bool = False,
+    ) -> None:
+        self._client = command_client_for(url, cluster=cluster)
+        self._lease_ms = lease_ms
+        self._wait = wait
+        self._local = _LocalLocks()
+        self._release = script_for(self._client, _RELEASE)
+        self._extend = script_for(self._client, _EXTEND)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[Held]:
+        deadline = time.monotonic() + self._wait
+        name = lock_key(key)
+        token = uuid.uuid4().hex
+        async with self._local.hold(key, deadline):
+            await self._acquire(name, token, deadline)
+            lease = _Lease(self, name, token)
+            renewer = asyncio.create_task(lease.renew_forever(), name=f"chat-lease:{key}")
+            try:
+                yield lease
+            finally:
+                renewer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewer
+                try:
+                    await self._release(keys=[name], args=[token])
+                except (RedisError, OSError) as exc:
+                    log.warning("could not release %s (it expires by itself): %s", name, exc)
+
+    async def _acquire(self, name: str, token: str, deadline: float) -> None:
+        pause = 0.002
+        while True:
+            try:
+                if await self._client.set(name, token, nx=True, px=self._lease_ms):
+                    return
+            except (RedisError, OSError) as exc:
+                raise LockUnavailable(f"Redis refused the chat lock: {exc}") from exc
+            if time.monotonic() >= deadline:
+                lock_timeouts.inc()
+                raise LockUnavailable("the game is busy; try again")
+            await asyncio.sleep(random.uniform(pause / 2, pause))
+            pause = min(pause * 2, 0.02)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._client.aclose()

@@ -1,0 +1,1 @@
+"""Presence: local counts, the writer, the view; the Redis backend and its scripts."""

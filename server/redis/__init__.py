@@ -1,0 +1,1 @@
+"""Redis plumbing shared by the bus, streams and coordination: pipelines, coalescing."""

@@ -1,0 +1,355 @@
+"""Commands to a Redis Cluster over one pipelined connection per primary.
+
+redis-py's ``RedisCluster`` client spends more CPU per command than the
+command costs Redis (slot, routing policy, node lookup, a pooled connection
+taken and given back), and a game event is two commands on a cluster. Here a
+command goes to the primary that owns its slot in the slot map of the bus's
+own ``RedisCluster`` client (the one its per-shard readers follow), over that
+primary's single connection. Every command issued in one event-loop turn goes
+out in one write, and one reader task hands the replies back in order: Redis
+answers a connection's commands in the order it received them, so commands
+to one slot also run in the order they were issued.
+
+Errors are handled the way ``RedisCluster`` would, explicitly:
+
+- ``MOVED`` (a slot moved for good): update that slot in the map and resend;
+- ``ASK`` (a slot being migrated, this key already gone): ``ASKING`` and the
+  command on the target, back to back on its connection;
+- ``TRYAGAIN``/``CLUSTERDOWN``, or a lost or refused connection (a primary
+  killed, its replica not promoted yet): re-read the slot map and resend every
+  ``FAILOVER_RETRY_S`` until the deadline.
+
+A command whose connection died after it was written may have run; it is
+resent like the one ``RedisCluster`` (and ``through_failover``) would resend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from server.runtime.metrics import REGISTRY
+
+log = logging.getLogger(__name__)
+
+FAILOVER_RETRY_S = 0.1
+STALL_TIMEOUT_S = 5.0
+"""A connection with commands outstanding and no reply for this long is dead."""
+
+retries = REGISTRY.counter(
+    "ap_bus_failover_retries_total",
+    "Redis Cluster commands (SPUBLISH, stream appends) retried during a failover",
+)
+ordered_drops = REGISTRY.counter(
+    "ap_bus_ordered_publish_drops_total",
+    "Redis Cluster publishes given up after the failover deadline (ap:{games})",
+)
+
+_TRANSIENT = (
+    RedisClusterException,  # no slot map yet, or a slot not covered
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    TryAgainError,
+    ClusterDownError,
+)
+
+
+class Script:
+    """A Lua script's source and the SHA1 that ``EVALSHA`` names it by."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+class _Pipe:
+    """One connection to one primary: batched writes, replies matched in order."""
+
+    def __init__(self, host: str, port: int, client_name: str | None, stall_timeout: float) -> None:
+        self.name = f"{host}:{port}"
+        self.stall_timeout = stall_timeout
+        self.connection = Connection(
+            host=host,
+            port=port,
+            client_name=client_name,
+            socket_connect_timeout=1.0,
+            socket_timeout=None,  # stalls are caught by the watchdog, not by a timer per read
+            retry=Retry(NoBackoff(), 0),
+        )
+        self.dead = False
+        self._out: list[bytes] = []
+        self._waiting: deque[tuple[float, asyncio.Future[Any]]] = deque()  # (queued at, reply)
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name=f"pipe-{self.name}")
+
+    def submit(self, *commands: tuple[Any, ...]) -> list[asyncio.Future[Any]]:
+        """Queue ``commands`` back to back; one future per command, in order."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        futures = []
+        for args in commands:
+            future: asyncio.Future[Any] = loop.create_future()
+            if self.dead:
+                future.set_exception(RedisConnectionError(f"connection to {self.name} lost"))
+            else:
+                self._out.extend(self.connection.pack_command(*args))
+                self._waiting.append((now, future))
+            futures.append(future)
+        self._wake.set()
+        return futures
+
+    async def _run(self) -> None:
+        reader: asyncio.Task[None] | None = None
+        # From the start: a frozen server accepts the TCP connection and then
+        # never answers the handshake.
+        watchdog = asyncio.create_task(self._watch(), name=f"pipe-watch-{self.name}")
+        try:
+            await self.connection.connect()  # type: ignore[no-untyped-call]
+            reader = asyncio.create_task(self._read(), name=f"pipe-read-{self.name}")
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._out:
+                    batch, self._out = self._out, []
+                    await self.connection.send_packed_command(batch, check_health=False)
+        except asyncio.CancelledError:
+            self._fail(RedisConnectionError(f"connection to {self.name} closed"))
+            raise
+        except Exception as exc:
+            self._fail(exc)
+        finally:
+            watchdog.cancel()
+            if reader is not None:
+                reader.cancel()
+            with contextlib.suppress(Exception):
+                await self.connection.disconnect(nowait=True)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                try:
+                    reply: Any = await self.connection.read_response(timeout=math.inf)
+                except ResponseError as exc:
+                    reply = exc
+                _, future = self._waiting.popleft()
+                if future.done():
+                    continue
+                if isinstance(reply, ResponseError):
+                    future.set_exception(reply)
+                else:
+                    future.set_result(reply)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            self._task.cancel()
+
+    async def _watch(self) -> None:
+        """Replies come in order: the oldest command unanswered for the whole
+        timeout means nothing was answered since; the connection is dead."""
+        loop = asyncio.get_running_loop()
+        timeout = self.stall_timeout
+        while True:
+            await asyncio.sleep(timeout / 5)
+            if self._waiting and loop.time() - self._waiting[0][0] > timeout:
+                self._fail(RedisTimeoutError(f"no reply from {self.name} in {timeout:g}s"))
+                self._task.cancel()
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        if not isinstance(exc, RedisError | OSError):
+            exc = RedisConnectionError(f"connection to {self.name} failed: {exc!r}")
+        self.dead = True
+        self._out.clear()
+        while self._waiting:
+            _, future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(exc)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
+
+
+class ShardPipes:
+    """Route commands by slot to per-primary :class:`_Pipe` connections."""
+
+    def __init__(
+        self,
+        cluster: RedisCluster,
+        *,
+        client_name: str | None = None,
+        stall_timeout: float = STALL_TIMEOUT_S,
+    ) -> None:
+        self._cluster = cluster  # its slot map; the bus refreshes it on every repair
+        self._client_name = client_name
+        self._stall_timeout = stall_timeout
+        self._pipes: dict[str, _Pipe] = {}
+        self._ordered: dict[str, _OrderedPublisher] = {}
+        self._closing = False
+
+    def _pipe(self, host: str, port: int) -> _Pipe:
+        name = f"{host}:{port}"
+        pipe = self._pipes.get(name)
+        if pipe is None or pipe.dead:
+            pipe = self._pipes[name] = _Pipe(host, port, self._client_name, self._stall_timeout)
+        return pipe
+
+    def _pipe_for(self, slot: int) -> _Pipe:
+        try:
+            node = self._cluster.nodes_manager.get_node_from_slot(slot)
+        except KeyError:  # not in the map (yet): retried after a refresh
+            raise SlotNotCoveredError(f"slot {slot} has no known primary") from None
+        return self._pipe(node.host, int(node.port))
+
+    async def start(self) -> None:
+        """Read the slot map (once per client) before the first command."""
+        self._closing = False
+        await self._cluster.initialize()
+
+    def reopen(self) -> None:
+        """Usable again after :meth:`close` (a bus started again)."""
+        self._closing = False
+
+    async def execute(self, slot: int, args: tuple[Any, ...], deadline: float) -> Any:
+        """Run one command on the primary of ``slot``, through redirects and failovers
+        until ``time.monotonic() > deadline``."""
+        while True:
+            try:
+                return await self._pipe_for(slot).submit(args)[0]
+            except MovedError as exc:
+                await self._cluster.nodes_manager.move_slot(exc)
+                error: Exception = exc
+            except AskError as exc:
+                try:
+                    asking, reply = self._pipe(exc.host, exc.port).submit(("ASKING",), args)
+                    await asking
+                    return await reply
+                except MovedError as moved:  # the migration finished meanwhile
+                    await self._cluster.nodes_manager.move_slot(moved)
+                    error = moved
+                except _TRANSIENT as transient:
+                    error = transient
+            except _TRANSIENT as exc:
+                error = exc
+            if self._closing or time.monotonic() + FAILOVER_RETRY_S > deadline:
+                raise error
+            retries.inc()
+            if not isinstance(error, MovedError):
+                await asyncio.sleep(FAILOVER_RETRY_S)
+                with contextlib.suppress(RedisError, RedisClusterException, OSError):
+                    await self._cluster.nodes_manager.initialize()
+
+    async def script(
+        self, slot: int, script: Script, keys: Sequence[Any], args: Sequence[Any], deadline: float
+    ) -> Any:
+        """``EVALSHA``, and ``EVAL`` when that primary lacks the script (see ``ShardScript``)."""
+        try:
+            command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+            return await self.execute(slot, command, deadline)
+        except NoScriptError:
+            command = ("EVAL", script.source, len(keys), *keys, *args)
+            return await self.execute(slot, command, deadline)
+
+    async def send_once(self, slot: int, commands: list[tuple[Any, ...]]) -> list[bool]:
+        """Send ``commands`` back to back to the primary of ``slot``; which succeeded."""
+        try:
+            futures = self._pipe_for(slot).submit(*commands)
+        except _TRANSIENT:
+            return [False] * len(commands)
+        out = []
+        for future in futures:
+            try:
+                await future
+                out.append(True)
+            except (RedisError, OSError):
+                out.append(False)
+        return out
+
+    def publish_in_order(self, slot: int, channel: str, message: bytes, deadline_s: float) -> None:
+        """``SPUBLISH`` without waiting for it, in the order of the calls.
+
+        For ``ap:{games}`` after a game's ``APPEND``: called as each script's
+        reply arrives, so a game's events go out in offset order, and still do
+        when a failover makes some of them wait for a retry.
+        """
+        publisher = self._ordered.get(channel)
+        if publisher is None:
+            publisher = self._ordered[channel] = _OrderedPublisher(self, slot, channel)
+        publisher.add(message, time.monotonic() + deadline_s)
+
+    async def close(self) -> None:
+        self._closing = True
+        for publisher in list(self._ordered.values()):
+            await publisher.close()
+        self._ordered.clear()
+        for pipe in list(self._pipes.values()):
+            await pipe.close()
+        self._pipes.clear()
+
+
+class _OrderedPublisher:
+    """One channel's fire-and-forget ``SPUBLISH``es, sent and retried in call order."""
+
+    def __init__(self, pipes: ShardPipes, slot: int, channel: str) -> None:
+        self._pipes = pipes
+        self._slot = slot
+        self._channel = channel
+        self._queue: deque[tuple[bytes, float]] = deque()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, message: bytes, deadline: float) -> None:
+        self._queue.append((message, deadline))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain(), name=f"publish-{self._channel}")
+
+    async def _drain(self) -> None:
+        while self._queue:
+            batch = list(self._queue)
+            self._queue.clear()
+            sent = await self._pipes.send_once(
+                self._slot, [("SPUBLISH", self._channel, message) for message, _ in batch]
+            )
+            # Only a batch's tail fails (one connection, one slot): resend the
+            # failed ones one by one, in order, before anything newer goes out.
+            for (message, deadline), ok in zip(batch, sent, strict=True):
+                if ok:
+                    continue
+                try:
+                    args = ("SPUBLISH", self._channel, message)
+                    await self._pipes.execute(self._slot, args, deadline)
+                except (RedisError, OSError) as exc:
+                    ordered_drops.inc()
+                    log.warning("SPUBLISH on %s given up: %s", self._channel, exc)
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._task, 1.0)

@@ -1,0 +1,1 @@
+"""From the bus to sockets: history reads and batched subscribes behind the hub."""

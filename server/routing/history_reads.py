@@ -1,0 +1,162 @@
+"""The node's history reads, in batches: one round trip carries many streams.
+
+A reconnect storm asks for tens of thousands of history reads at once (every
+returning client, each of its streams), mostly of the same few streams at the
+same offset. Asks made while earlier batches are out wait for the next batch,
+which goes to ``Streams.read_many`` as one pipelined round trip; asks of one
+batch for the same stream at the same offset share its read and its decoding.
+
+A read is never shared with one already sent: each asker must get the history
+as it is after it subscribed (the merge in ``protocol.streams`` relies on it).
+
+Asks queue here, where they wait as long as it takes (live events are buffered
+meanwhile), not in the Redis pool, whose waiters fail after its timeout and
+would turn a slow recovery into ``recovered: false``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from protocol.envelope import EnvelopeError, decode_envelope
+from protocol.messages import Broadcast
+from protocol.streams import HistoryRead
+from server.bus.streams import HistoryAsk, Streams
+from server.runtime.metrics import REGISTRY
+
+READ_BATCH = 256
+"""Most streams in one round trip: at the default history size (50) a full batch
+is a reply of a few MB at worst, and Redis runs it in a few ms."""
+BATCHES_IN_FLIGHT = 2
+"""Round trips out at once: one is read while the next is answered. Each holds
+one pool connection, leaving the rest for publishes and presence."""
+DECODED_CACHE = 16384
+"""Decoded events kept, least recently used out: a storm reads the same streams
+again and again, and an event's bytes at one position never change."""
+
+history_batches = REGISTRY.counter(
+    "ap_stream_history_batches_total", "Round trips that read stream histories"
+)
+history_reads = REGISTRY.counter(
+    "ap_stream_history_reads_total", "Stream histories read (after sharing within a batch)"
+)
+
+DecodedRead = HistoryRead[Broadcast]
+
+
+class HistoryReads:
+    def __init__(
+        self,
+        streams: Streams,
+        batch_size: int = READ_BATCH,
+        in_flight: int = BATCHES_IN_FLIGHT,
+    ) -> None:
+        self._streams = streams
+        self._batch_size = batch_size
+        self._max_in_flight = in_flight
+        self._queued: dict[HistoryAsk, asyncio.Future[DecodedRead]] = {}
+        self._batches: set[asyncio.Task[None]] = set()
+        self._scheduled = False
+        self._decoded: OrderedDict[tuple[str, str, int], Broadcast] = OrderedDict()
+
+    async def read(self, stream: str, after: int) -> DecodedRead:
+        """The stream's history after ``after``, decoded, read after this call."""
+        ask = (stream, after)
+        future = self._queued.get(ask)
+        if future is None:
+            future = self._queued[ask] = asyncio.get_running_loop().create_future()
+            future.add_done_callback(_retrieve)
+            if not self._scheduled and len(self._batches) < self._max_in_flight:
+                # At the end of this loop turn: asks of the same turn share the batch.
+                self._scheduled = True
+                asyncio.get_running_loop().call_soon(self._send)
+        # Shielded: one asker going away must not cancel the read for the others.
+        return await asyncio.shield(future)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queued)
+
+    def _send(self) -> None:
+        self._scheduled = False
+        while self._queued and len(self._batches) < self._max_in_flight:
+            batch: dict[HistoryAsk, asyncio.Future[DecodedRead]] = {}
+            for ask in list(self._queued)[: self._batch_size]:
+                batch[ask] = self._queued.pop(ask)
+            task = asyncio.create_task(self._read_batch(batch), name="history-reads")
+            self._batches.add(task)
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._batches.discard(task)
+        if self._queued and not self._scheduled:
+            self._send()
+
+    async def _read_batch(self, batch: dict[HistoryAsk, asyncio.Future[DecodedRead]]) -> None:
+        history_batches.inc()
+        history_reads.inc(len(batch))
+        try:
+            reads = await self._streams.read_many(list(batch))
+        except BaseException as exc:
+            for future in batch.values():
+                if not future.done():
+                    if isinstance(exc, asyncio.CancelledError):
+                        future.cancel()
+                    else:
+                        future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for (stream, _), future, read in zip(batch, batch.values(), reads, strict=True):
+            if not future.done():
+                entries = self._decode(stream, read.epoch, read.entries)
+                future.set_result(HistoryRead(read.epoch, read.top, entries))
+
+    def _decode(
+        self, stream: str, epoch: str, entries: Sequence[tuple[int, bytes]]
+    ) -> tuple[tuple[int, Broadcast], ...]:
+        """History entries as messages; one that cannot be read ends the run (a hole)."""
+        cache = self._decoded
+        decoded: list[tuple[int, Broadcast]] = []
+        for offset, data in entries:
+            key = (stream, epoch, offset)
+            message = cache.get(key)
+            if message is not None:
+                cache.move_to_end(key)
+            else:
+                message = _decode_one(data)
+                if message is None:
+                    break
+                cache[key] = message
+                if len(cache) > DECODED_CACHE:
+                    cache.popitem(last=False)
+            decoded.append((offset, message))
+        return tuple(decoded)
+
+    async def close(self) -> None:
+        for future in self._queued.values():
+            future.cancel()
+        self._queued.clear()
+        batches = list(self._batches)
+        for task in batches:
+            task.cancel()
+        for task in batches:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def _retrieve(future: asyncio.Future[DecodedRead]) -> None:
+    """Every asker may have gone: the error is not worth a "never retrieved" log."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _decode_one(data: bytes) -> Broadcast | None:
+    try:
+        envelope = decode_envelope(data)
+    except EnvelopeError:
+        return None
+    return envelope if isinstance(envelope, Broadcast) else None

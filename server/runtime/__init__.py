@@ -1,0 +1,1 @@
+"""The process around the node: metrics, logs, pauses, reclaim, write-behind."""

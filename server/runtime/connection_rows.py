@@ -1,0 +1,132 @@
+"""Write-behind of ``wsConnections`` rows: nothing on a client's path waits on the store.
+
+Operations on one connection coalesce while they wait (a put followed by a
+watch update is still one put), then go out in batches. Routing never reads
+these rows: they are the record for the backend and operators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+
+from server.runtime.metrics import REGISTRY
+from server.runtime.write_behind import CoalescingFlusher
+from server.store.base import ConnectionRecord, Store
+
+store_write_failures = REGISTRY.counter(
+    "ap_store_write_retries_total", "Connection row writes that failed and were queued again"
+)
+
+UPDATE_CONCURRENCY = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    record: ConnectionRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    games: frozenset[str]
+    watch_version: int
+    ttl: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ttl:
+    ttl: int
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    pass
+
+
+RowOp = Put | Watch | Ttl | Delete
+
+
+def merge(older: RowOp, newer: RowOp) -> RowOp:
+    """One operation with the effect of ``older`` then ``newer``."""
+    if isinstance(newer, Delete | Put):
+        return newer
+    if isinstance(older, Delete):
+        return older  # the connection is gone; a late update must not revive it
+    if isinstance(older, Put):
+        if isinstance(newer, Watch):
+            return Put(
+                dataclasses.replace(
+                    older.record,
+                    watching_games=newer.games,
+                    watch_version=newer.watch_version,
+                    ttl=newer.ttl,
+                )
+            )
+        return Put(dataclasses.replace(older.record, ttl=newer.ttl))
+    if isinstance(older, Watch) and isinstance(newer, Ttl):
+        return dataclasses.replace(older, ttl=newer.ttl)
+    return newer
+
+
+class ConnectionRegistry:
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._flusher: CoalescingFlusher[str, RowOp] = CoalescingFlusher(
+            "connection-rows", self._flush, merge, store_write_failures
+        )
+        REGISTRY.gauge(
+            "ap_store_write_backlog",
+            "Connection row operations waiting to be written",
+            lambda: float(self._flusher.backlog),
+        )
+
+    def start(self) -> None:
+        self._flusher.start()
+
+    async def close(self) -> None:
+        await self._flusher.close()
+
+    async def drained(self) -> None:
+        await self._flusher.drained()
+
+    def put(self, record: ConnectionRecord) -> None:
+        self._flusher.put(record.connection_id, Put(record))
+
+    def watch(
+        self, connection_id: str, games: frozenset[str], watch_version: int, ttl: int
+    ) -> None:
+        self._flusher.put(connection_id, Watch(games, watch_version, ttl))
+
+    def refresh_ttl(self, connection_id: str, ttl: int) -> None:
+        self._flusher.put(connection_id, Ttl(ttl))
+
+    def delete(self, connection_id: str) -> None:
+        self._flusher.put(connection_id, Delete())
+
+    async def _flush(self, batch: dict[str, RowOp]) -> dict[str, RowOp]:
+        puts = [op.record for op in batch.values() if isinstance(op, Put)]
+        deletes = [cid for cid, op in batch.items() if isinstance(op, Delete)]
+        failed: dict[str, RowOp] = {}
+        if puts or deletes:
+            try:
+                await self._store.write_connections(puts, deletes)
+            except Exception:
+                failed.update(
+                    (cid, op) for cid, op in batch.items() if isinstance(op, Put | Delete)
+                )
+        updates = [(cid, op) for cid, op in batch.items() if isinstance(op, Watch | Ttl)]
+        gate = asyncio.Semaphore(UPDATE_CONCURRENCY)
+
+        async def update(cid: str, op: Watch | Ttl) -> None:
+            async with gate:
+                try:
+                    if isinstance(op, Watch):
+                        await self._store.update_watch(cid, op.games, op.watch_version, op.ttl)
+                    else:
+                        await self._store.refresh_ttl(cid, op.ttl)
+                except Exception:
+                    failed[cid] = op
+
+        await asyncio.gather(*(update(cid, op) for cid, op in updates))
+        return failed

@@ -1,0 +1,98 @@
+"""A write-behind buffer that coalesces updates per key and flushes in batches.
+
+Used wherever many small writes per second must not become many round trips:
+connection rows to the store, presence reports to the cluster. A failed batch
+is merged back under any newer value for the same key and retried with
+jittered backoff, so nothing is lost while the backend is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from server.runtime.metrics import Counter
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+log = logging.getLogger(__name__)
+
+FlushFn = Callable[[dict[K, V]], Awaitable[dict[K, V]]]
+"""Writes a batch; returns the entries that failed and must be retried."""
+
+
+class CoalescingFlusher(Generic[K, V]):
+    def __init__(
+        self,
+        name: str,
+        flush: FlushFn[K, V],
+        merge: Callable[[V, V], V],
+        failures: Counter,
+        *,
+        max_backoff: float = 5.0,
+    ) -> None:
+        self._name = name
+        self._flush = flush
+        self._merge = merge
+        self._failures = failures
+        self._max_backoff = max_backoff
+        self._pending: dict[K, V] = {}
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"flusher:{self._name}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def put(self, key: K, value: V) -> None:
+        """Queue a value; it is merged over any pending value for the same key."""
+        older = self._pending.get(key)
+        self._pending[key] = value if older is None else self._merge(older, value)
+        self._idle.clear()
+        self._wakeup.set()
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending)
+
+    async def drained(self) -> None:
+        """Wait until everything queued so far has been written."""
+        await self._idle.wait()
+
+    async def _run(self) -> None:
+        attempt = 0
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._pending:
+                batch, self._pending = self._pending, {}
+                try:
+                    failed = await self._flush(batch)
+                except Exception as exc:  # the backend's errors vary; all are retried
+                    log.warning("%s: batch of %d failed: %s", self._name, len(batch), exc)
+                    failed = batch
+                if failed:
+                    log.warning("%s: %d writes failed, retrying", self._name, len(failed))
+                    self._failures.inc(len(failed))
+                    for key, value in failed.items():
+                        newer = self._pending.get(key)
+                        self._pending[key] = value if newer is None else self._merge(value, newer)
+                    attempt += 1
+                    delay = min(self._max_backoff, 0.05 * 2**attempt)
+                    await asyncio.sleep(random.uniform(delay / 2, delay))
+                else:
+                    attempt = 0
+            self._idle.set()
