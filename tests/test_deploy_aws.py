@@ -382,6 +382,28 @@ def test_the_permissions_are_what_the_code_calls() -> None:
     )
 
 
+def test_the_iam_table_of_deploy_md_says_what_the_template_grants() -> None:
+    rows = {}
+    for line in (ROOT / "docs" / "deploy.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].startswith("`--"):
+            service = ""
+            actions = set()
+            for name in re.findall(r"`([\w:]+)`", cells[2]):
+                service, _, action = name.rpartition(":") if ":" in name else (service, "", name)
+                actions.add(f"{service}:{action}")
+            rows[cells[1].strip("`")] = actions
+    flags = {
+        "TablePolicy": "--store dynamodb",
+        "NotificationsPolicy": "--notifications-from-stream",
+        "BroadcastQueuePolicy": "--sqs-queue-url",
+        "BotQueuePolicy": "--bot-queue-url",
+        "BotForwardPolicy": "--bot-webhook-queue-url",
+    }
+    for policy, flag in flags.items():
+        assert rows[flag] == set().union(*FEATURES[policy].actions.values()), flag
+
+
 def test_the_execution_role_reads_only_the_publish_secret_and_the_log_group() -> None:
     granted = statements("ExecutionRole")
     secret = [s for s in granted if s.resource == {"Ref": "PublishSecretArn"}]
