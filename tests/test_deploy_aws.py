@@ -466,6 +466,8 @@ def test_wss_on_443_to_the_public_port_with_readiness_on_the_internal_one() -> N
     assert (internal["Port"], internal["HealthCheckPath"]) == (http_port, "/readyz")
     assert props("InternalLoadBalancer")["Scheme"] == "internal"
     assert (literal("AP_HOST"), literal("AP_HTTP_HOST")) == ("0.0.0.0", "0.0.0.0")
+    liveness = " ".join(container()["HealthCheck"]["Command"])
+    assert f"127.0.0.1:{http_port}/healthz" in liveness
     mappings = {m["ContainerPort"] for m in container()["PortMappings"]}
     assert mappings == {port, http_port}
     by_port = {
@@ -487,10 +489,7 @@ def test_the_internal_port_is_reachable_only_from_inside_the_vpc() -> None:
                 open_to_all.append((logical_id, rule["FromPort"], rule["ToPort"]))
             if http_port in ports:
                 assert rule.get("CidrIp") == {"Ref": "VpcCidr"}, (logical_id, rule)
-    assert open_to_all == [
-        ("PublicLoadBalancerSecurityGroup", 443, 443),
-        ("PublicLoadBalancerSecurityGroup", 443, 443),
-    ]
+    assert open_to_all == [("PublicLoadBalancerSecurityGroup", 443, 443)]
     task_rules = props("ServiceSecurityGroup")["SecurityGroupIngress"]
     assert {
         (r["FromPort"], json.dumps(r.get("SourceSecurityGroupId", r.get("CidrIp"))))
