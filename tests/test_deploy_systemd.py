@@ -9,6 +9,7 @@ machine where nothing is installed under /opt. Needs ``systemd-analyze`` (Debian
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -119,7 +120,7 @@ def test_the_unit_is_hardened(scratch_root: Path) -> None:
     }.items():
         assert one(settings, f"Service.{key}") == value, key
     # systemd's own score of the sandbox: 0 is the most confined, 10 the least. 2.0 or
-    # less is what it calls OK (this unit: 1.1).
+    # less is what it calls OK (this unit: 1.2).
     result = subprocess.run(
         [
             analyze(),
@@ -139,6 +140,39 @@ def test_the_unit_is_hardened(scratch_root: Path) -> None:
         r"Overall exposure level for ap-realtime\.service: ([0-9.]+)", result.stdout
     )
     assert float(level) <= 2.0
+
+
+@functools.cache
+def _groups() -> dict[str, list[str]]:
+    """Every ``@group`` systemd knows, with its members (syscalls or other groups)."""
+    listing = subprocess.run(
+        [analyze(), "syscall-filter"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    groups: dict[str, list[str]] = {}
+    members: list[str] = []
+    for line in listing.splitlines():
+        if line.startswith("@"):
+            members = groups.setdefault(line.split()[0], [])
+        elif line.strip() and not line.strip().startswith("#"):
+            members.append(line.strip())
+    return groups
+
+
+def _syscalls(name: str) -> set[str]:
+    if not name.startswith("@"):
+        return {name}
+    return set().union(*(_syscalls(member) for member in _groups()[name]))
+
+
+def test_the_syscall_filter_lets_serve_raise_its_descriptor_limit() -> None:
+    """``serve`` calls setrlimit (glibc: prlimit64) at start; a filtered call would fail it."""
+    filters = unit_settings(UNIT.read_text())["Service.SystemCallFilter"]
+    allowed = set().union(*(_syscalls(f) for f in filters if not f.startswith("~")))
+    denied = set().union(
+        *(_syscalls(g) for f in filters if f.startswith("~") for g in f[1:].split())
+    )
+    assert {"prlimit64", "getrlimit"} <= allowed
+    assert not {"prlimit64", "setrlimit", "getrlimit"} & denied
 
 
 def _seconds(value: str) -> float:
