@@ -30,7 +30,6 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from protocol.codec import Frame
@@ -81,9 +80,6 @@ from server.bus.topics import (
     game_topic,
 )
 from server.config import Settings
-from server.coordination.claims import Claims, MemoryClaims
-from server.coordination.game_lock import GameLocks, MemoryGameLocks
-from server.coordination.rate_limit import MemoryRateLimiter, RateLimiter
 from server.presence.core import (
     LocalPresence,
     PresenceBackend,
@@ -96,9 +92,9 @@ from server.routing.subscribe_batching import SubscribeBatcher
 from server.runtime.connection_rows import ConnectionRegistry
 from server.runtime.metrics import REGISTRY
 from server.runtime.write_behind import CoalescingFlusher
-from server.services import Service
+from server.services import Coordination, Service
 from server.services.bots import BotService
-from server.services.chat import RATE_WINDOW_SECONDS, ChatService
+from server.services.chat import ChatService
 from server.services.chat_marks import ChatMarks
 from server.services.last_seen import LastSeen
 from server.session import Session, send_frame, send_frames
@@ -136,23 +132,6 @@ DRAIN_BATCH_SECONDS = 0.1
 """One batch of drain closes per this interval: 100 batches over the default 10 s."""
 
 
-@dataclass(frozen=True)
-class Coordination:
-    """What the services share across nodes: Redis parts in a cluster, memory alone."""
-
-    game_locks: GameLocks
-    chat_limiter: RateLimiter
-    last_seen_claims: Claims
-
-    @classmethod
-    def in_memory(cls, settings: Settings) -> Coordination:
-        return cls(
-            MemoryGameLocks(),
-            MemoryRateLimiter(settings.chat_rate, RATE_WINDOW_SECONDS),
-            MemoryClaims(),
-        )
-
-
 STOP_DRAIN_SECONDS = 2.0
 
 REPLAY_FRAME_CACHE = 16384
@@ -170,7 +149,7 @@ class Node:
         presence_backend: PresenceBackend,
         authenticator: Authenticator,
         streams: Streams,
-        coordination: Coordination | None = None,
+        coordination: Coordination,
     ) -> None:
         self.settings = settings
         self.streams = streams
@@ -220,17 +199,16 @@ class Node:
         self._moving = 0  # drained sessions whose user is still reported here
         self._moves_done = asyncio.Event()
         self._sessions_gone = asyncio.Event()  # set when a drain has closed the last one
-        shared = coordination if coordination is not None else Coordination.in_memory(settings)
         self.chat_marks = ChatMarks(store)
         self.chat = ChatService(
             store,
             self.publish,
-            shared.game_locks,
-            shared.chat_limiter,
+            coordination.game_locks,
+            coordination.chat_limiter,
             self.chat_marks,
             self._outbox_limit,
         )
-        self.last_seen = LastSeen(store, shared.last_seen_claims)
+        self.last_seen = LastSeen(store, coordination.last_seen_claims)
         REGISTRY.gauge("ap_connections", "Open WebSocket sessions", lambda: len(self.sessions))
         REGISTRY.gauge("ap_users", "Distinct users on this node", self._user_count)
         REGISTRY.gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
