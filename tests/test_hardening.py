@@ -21,7 +21,7 @@ from websockets.frames import Frame as WsFrame
 from websockets.frames import Opcode
 
 from protocol.parse import parse_broadcast
-from server.app import bad_frames
+from server.ingress.websocket import bad_frames
 from server.session import READ_SLICE_BYTES, frames_parsed
 from tests.client import DEV_SECRET, dev_token
 from tests.conftest import PUBLISH_SECRET, RunningServer
