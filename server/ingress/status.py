@@ -78,7 +78,7 @@ async def status(node: Node, history: History) -> dict[str, Any]:
         "draining": node.draining,
         "connections": len(node.sessions),
         "users": node.local_presence.user_count,
-        "watched_games": len(node.by_game),
+        "watched_games": len(node.index.by_game),
         "presence": {
             "seq": node.view.seq,
             "writer": node.writer.leading,
