@@ -28,9 +28,8 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterable
+from contextlib import AsyncExitStack
 
-from protocol.codec import Frame
 from protocol.envelope import (
     encode_envelope,
 )
@@ -41,7 +40,6 @@ from protocol.messages import (
     GameEvent,
     GameKey,
     Position,
-    PresenceDelta,
     Since,
     Subscribe,
 )
@@ -60,18 +58,14 @@ from server.bus.topics import (
 )
 from server.config import Settings
 from server.presence.core import (
-    LocalPresence,
     PresenceBackend,
-    PresenceView,
-    PresenceWriter,
-    presence_resyncs,
 )
+from server.presence.node_presence import NodePresence
 from server.routing.delivery import StreamDelivery
 from server.routing.history_reads import HistoryReads
 from server.routing.index import (
     HubIndex,
     StreamState,
-    bus_failures,
     kept_stream_state,
     restore_stream_state,
 )
@@ -79,13 +73,12 @@ from server.routing.recovery import Recovery
 from server.routing.subscribe_batching import SubscribeBatcher
 from server.runtime.connection_rows import ConnectionRegistry
 from server.runtime.metrics import REGISTRY
-from server.runtime.write_behind import CoalescingFlusher
 from server.services import Coordination, Service
 from server.services.bots import BotService
 from server.services.chat import ChatService
 from server.services.chat_marks import ChatMarks
 from server.services.last_seen import LastSeen
-from server.session import Session, send_frame
+from server.session import Session
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
 
 log = logging.getLogger(__name__)
@@ -125,34 +118,33 @@ class Node:
         self.authenticator = authenticator
         self.registry = ConnectionRegistry(store)
         self.bots = BotService(store, settings.bot_max_connections, settings.outbox_limit_bytes)
-        self.local_presence = LocalPresence()
-        self.view = PresenceView()
-        self.writer = PresenceWriter(presence_backend, store, settings.presence_debounce)
         self._outbox_limit = settings.outbox_limit_bytes
         self.index = HubIndex(settings, bus, released=self._released)
         self.sessions = self.index.sessions
+        self.last_seen = LastSeen(store, coordination.last_seen_claims)
+        self.presence = NodePresence(
+            settings,
+            presence_backend,
+            store,
+            self.index.sessions,
+            self.index.presence_watchers,
+            self.last_seen.seen,
+        )
         # Every history read (recovery, repair) goes out in batches.
         self.history = HistoryReads(streams)
         self.delivery = StreamDelivery(
             self.index,
             self.history,
-            self,
+            self.presence,
             lambda session: self.bots.send_pending_turns(self, session),
             self._outbox_limit,
         )
         self.recovery = Recovery(self.history, SubscribeBatcher(bus), self._outbox_limit)
-        self._reports: CoalescingFlusher[str, bool | None] = CoalescingFlusher(
-            "presence-reports", self._report, lambda _old, new: new, bus_failures
-        )
-        # None asks the delta loop to reload the view and push fresh snapshots.
-        self._reports_since: float | None = None  # when the oldest unreported change happened
-        self._deltas: asyncio.Queue[PresenceDelta | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self._presence_parts = AsyncExitStack()
         self.services: list[Service] = []  # started after the node, stopped before it
         self.ready = False
         self.draining = False
-        self._moving = 0  # drained sessions whose user is still reported here
-        self._moves_done = asyncio.Event()
         self._sessions_gone = asyncio.Event()  # set when a drain has closed the last one
         self.chat_marks = ChatMarks(store)
         self.chat = ChatService(
@@ -163,20 +155,9 @@ class Node:
             self.chat_marks,
             self._outbox_limit,
         )
-        self.last_seen = LastSeen(store, coordination.last_seen_claims)
-        REGISTRY.gauge("ap_users", "Distinct users on this node", self._user_count)
-        REGISTRY.gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
-
-    @property
-    def report_backlog(self) -> int:
-        """Presence changes of this node's users not yet reported to the cluster."""
-        return self._reports.backlog
 
     def _released(self, stream: str) -> None:
         self.delivery.forget(stream)
-
-    def _user_count(self) -> float:
-        return float(self.local_presence.user_count)
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -197,15 +178,13 @@ class Node:
         await self.streams.start()
         await self.bus.start(self.delivery.on_bus_message)
         await self.bus.subscribe(NODE_TOPICS)
-        self.view.reset(await self.presence_backend.committed())
         self.registry.start()
         self.index.topics.start()
-        self._reports.start()
-        self.writer.start()
+        self._presence_parts = AsyncExitStack()
+        await self.presence.start(self._presence_parts)
         self.chat_marks.start()
         self.last_seen.start()
         self._tasks = [
-            asyncio.create_task(self._delta_loop(), name="presence-deltas"),
             asyncio.create_task(self._ttl_loop(), name="ttl-refresh"),
         ]
         for service in self.services:
@@ -251,9 +230,7 @@ class Node:
             async with asyncio.timeout(self.settings.drain_move_grace_ms / 1000 + 10):
                 if self.sessions:  # handlers still finishing their close
                     await self._sessions_gone.wait()
-                if self._moving:
-                    await self._moves_done.wait()
-                await self._reports.drained()
+                await self.presence.drained()
                 await self.registry.drained()
         await asyncio.sleep(2 * self.settings.presence_debounce)
         log.info("drained in %.1fs", loop.time() - started)
@@ -281,7 +258,7 @@ class Node:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.writer.close()
+        await self._presence_parts.aclose()
         # Marks and lastSeen already queued get a moment to reach the store.
         for pending in (self.chat_marks, self.last_seen):
             with contextlib.suppress(TimeoutError):
@@ -289,7 +266,6 @@ class Node:
         await self.chat_marks.close()
         await self.last_seen.close()
         await self.chat.close()
-        await self._reports.close()
         await self.index.topics.close()
         await self.registry.close()
         with contextlib.suppress(Exception):
@@ -321,21 +297,9 @@ class Node:
         if session.is_bot:
             return  # bots are not in presence: nothing to report, now or after a grace
         if self.draining:
-            # Sent away by the drain: the user counts as online here a while
-            # longer, for their reconnect to another node to be reported first.
-            self._moving += 1
-            grace = self.settings.drain_move_grace_ms / 1000
-            asyncio.get_running_loop().call_later(grace, self._moved, user_id, session.invisible)
-            return
-        self.local_presence.remove(user_id, session.invisible)
-        self._queue_reports()
-
-    def _moved(self, user_id: str, invisible: bool) -> None:
-        self._moving -= 1
-        self.local_presence.remove(user_id, invisible)
-        self._queue_reports()
-        if not self._moving:
-            self._moves_done.set()
+            self.presence.left_for_another_node(user_id, session.invisible)
+        else:
+            self.presence.left(user_id, session.invisible)
 
     async def subscribe(self, session: Session, action: Subscribe) -> None:
         try:
@@ -368,7 +332,8 @@ class Node:
             kept = kept_stream_state(session, None)
             self.index.remove(session)
             if not session.is_bot:
-                self.local_presence.remove(identity.user_id, session.invisible)
+                # Reported together with the join below, as one change.
+                self.presence.local.remove(identity.user_id, session.invisible)
         elif not self.index.admit_user(session, identity.user_id):
             return
         games = action.games if action.games is not None else frozenset()
@@ -390,14 +355,13 @@ class Node:
         self.index.add(session)
         restore_stream_state(session, kept)
         if not bot:
-            self.local_presence.add(identity.user_id, session.invisible)
-            self._queue_reports()
+            self.presence.joined(identity.user_id, session.invisible)
         self.registry.put(self._record(session))
         self.last_seen.seen(identity.user_id)
         if session.wants_presence:
             # The snapshot and this session's place among delta recipients are
             # taken in the same loop turn, so it misses no delta after the snapshot.
-            session.send(self.view.snapshot_frame(), self._outbox_limit)
+            self.presence.send_snapshot(session)
         if action.since is not None:
             await self.recovery.recover(session, action.since)
         if bot:
@@ -454,46 +418,6 @@ class Node:
             if session.subscribed:
                 self.registry.put(self._record(session))
 
-    def resync(self) -> None:
-        """The bus reconnected and may have lost messages: reload the presence view
-        and send every presence watcher a fresh snapshot; the writer looks at everyone."""
-        self._deltas.put_nowait(None)
-        self.writer.reconcile()
-
-    def sync_presence(self, session: Session) -> None:
-        """A snapshot now, or one at the end of the second that the last one opened:
-        each costs the whole visible list, so a client asking in a loop gets at
-        most one per second, and asks made meanwhile share it."""
-        if session.sync_pending:
-            return
-        loop = asyncio.get_running_loop()
-        wait = session.sync_at + SYNC_PRESENCE_INTERVAL - loop.time()
-        if wait <= 0:
-            self._send_sync(session)
-        else:
-            session.sync_pending = True
-            loop.call_later(wait, self._send_sync, session)
-
-    def _send_sync(self, session: Session) -> None:
-        session.sync_pending = False
-        session.sync_at = asyncio.get_running_loop().time()
-        if session in self.sessions:
-            session.send(self.view.snapshot_frame(), self._outbox_limit)
-            if session.user_id is not None:
-                self.last_seen.seen(session.user_id)
-
-    def _queue_reports(self) -> None:
-        pending = self.local_presence.take_pending()
-        if pending and self._reports_since is None:
-            self._reports_since = time.time()
-        for user_id, state in pending.items():
-            self._reports.put(user_id, state)
-
-    async def _report(self, batch: dict[str, bool | None]) -> dict[str, bool | None]:
-        since, self._reports_since = self._reports_since, None
-        await self.presence_backend.report(batch, time.time() if since is None else since)
-        return {}
-
     async def _ttl_loop(self) -> None:
         """Push forward the ttl of rows that live longer than it."""
         interval = self.settings.ttl_refresh_seconds
@@ -549,52 +473,12 @@ class Node:
             return {}
         return {item.stream: position for item, position in zip(items, positions, strict=True)}
 
-    def delta(self, delta: PresenceDelta) -> None:
-        self._deltas.put_nowait(delta)
+    def resync(self) -> None:
+        """The bus reconnected and may have lost messages: see ``NodePresence.resync``."""
+        self.presence.resync()
 
-    def hint(self, user_ids: Iterable[str], changed_at: float | None) -> None:
-        self.writer.hint(user_ids, changed_at)
+    def sync_presence(self, session: Session) -> None:
+        self.presence.sync(session)
 
     def check_streams(self) -> None:
         self.delivery.check_streams()
-
-    async def _delta_loop(self) -> None:
-        while True:
-            delta = await self._deltas.get()
-            if delta is None:
-                await self._reload_view()
-                continue
-            if delta.seq <= self.view.seq:
-                continue  # already applied (a reload got ahead of it)
-            if delta.seq != self.view.seq + 1:
-                # A gap in what this node heard: read the committed state again.
-                # Clients see the gap too and repair it with syncPresence.
-                presence_resyncs.inc()
-                log.warning("presence gap at node: have %d, got %d", self.view.seq, delta.seq)
-                try:
-                    self.view.reset(await self.presence_backend.committed())
-                except Exception as exc:
-                    log.warning("presence reload failed: %s", exc)
-                if delta.seq == self.view.seq + 1:
-                    self.view.apply(delta)
-            else:
-                self.view.apply(delta)
-            send_frame(self.index.presence_watchers, Frame(delta), self._outbox_limit)
-
-    async def _reload_view(self) -> None:
-        presence_resyncs.inc()
-        # Right after a reconnect Redis may still refuse (a cluster still
-        # electing, a client on a stale slot map): retry rather than leave the
-        # watchers without the snapshot that covers what they missed.
-        delay = 0.1
-        for attempt in range(RELOAD_ATTEMPTS):
-            try:
-                self.view.reset(await self.presence_backend.committed())
-                break
-            except Exception as exc:
-                if attempt == RELOAD_ATTEMPTS - 1:
-                    log.warning("presence reload after a bus reconnect failed: %s", exc)
-                    return
-                await asyncio.sleep(delay)
-                delay = min(1.0, delay * 2)
-        send_frame(self.index.presence_watchers, self.view.snapshot_frame(), self._outbox_limit)

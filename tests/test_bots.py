@@ -121,7 +121,7 @@ async def test_bots_are_not_in_presence_and_get_no_presence_frames(world: World)
     await alice.barrier()
     assert alice.presence.visible == {"alice"}
     assert alice.presence.server_total == 1
-    assert world.server.node.local_presence.user_count == 1
+    assert world.server.node.presence.local.user_count == 1
     # a presence change reaches humans, and still not the bot
     await world.server.subscribed("bob", token=world.humans.id_token("bob"))
     await alice.wait_for(lambda: "bob" in alice.presence.visible)
@@ -393,5 +393,5 @@ async def test_a_drain_closes_bots_with_1012_without_a_presence_grace(world: Wor
     # drain does not wait out the (here 30 s) move grace for it.
     assert asyncio.get_running_loop().time() - started < 15
     assert (await bot.closed())[0] == 1012
-    assert world.server.node.local_presence.user_count == 0
+    assert world.server.node.presence.local.user_count == 0
     assert world.server.node.sessions == set()

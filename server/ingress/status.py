@@ -77,13 +77,13 @@ async def status(node: Node, history: History) -> dict[str, Any]:
         "ready": node.ready,
         "draining": node.draining,
         "connections": len(node.sessions),
-        "users": node.local_presence.user_count,
+        "users": node.presence.local.user_count,
         "watched_games": len(node.index.by_game),
         "presence": {
-            "seq": node.view.seq,
-            "writer": node.writer.leading,
-            "online_total": node.view.total,
-            "report_backlog": node.report_backlog,
+            "seq": node.presence.view.seq,
+            "writer": node.presence.writer.leading,
+            "online_total": node.presence.view.total,
+            "report_backlog": node.presence.report_backlog,
         },
         "bus": {
             "kind": "redis" if settings.clustered else "memory",
