@@ -73,6 +73,7 @@ from server.routing.recovery import Recovery
 from server.routing.subscribe_batching import SubscribeBatcher
 from server.runtime.connection_rows import ConnectionRegistry
 from server.runtime.metrics import REGISTRY
+from server.runtime.tasks import cancel_and_wait
 from server.services import Coordination, Service
 from server.services.bots import BotService
 from server.services.chat import ChatService
@@ -140,8 +141,7 @@ class Node:
             self._outbox_limit,
         )
         self.recovery = Recovery(self.history, SubscribeBatcher(bus), self._outbox_limit)
-        self._tasks: list[asyncio.Task[None]] = []
-        self._presence_parts = AsyncExitStack()
+        self._running = AsyncExitStack()  # the stops of what started, for ``stop``
         self.services: list[Service] = []  # started after the node, stopped before it
         self.ready = False
         self.draining = False
@@ -162,34 +162,53 @@ class Node:
     # --- lifecycle ----------------------------------------------------------
 
     async def start(self) -> None:
-        """Start every part; if any fails or start-up is cancelled, close what started."""
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
+        """Start every part in order, then be ready.
 
-    async def _start(self) -> None:
+        Each part's stop goes on one ``AsyncExitStack`` just before the part
+        starts (a start that fails half-way still closes what it opened): a
+        failed or cancelled start closes exactly what started, in reverse
+        order, and ``stop`` unwinds the same stack.
+        """
+        async with AsyncExitStack() as stack:
+            await self._start(stack)
+            self._running = stack.pop_all()
+        self.ready = True
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        stack.push_async_callback(self.store.close)
         await self.store.start()
+        stack.push_async_callback(self.authenticator.close)
         stale = await self.store.delete_endpoint_connections(self.node_id)
         if stale:
             log.info("deleted %d connection rows left by an earlier run of %s", stale, self.node_id)
+        stack.push_async_callback(self.presence_backend.close)
         await self.presence_backend.start()
+        stack.push_async_callback(self.streams.close)
         await self.streams.start()
+        stack.push_async_callback(self.bus.close)
         await self.bus.start(self.delivery.on_bus_message)
         await self.bus.subscribe(NODE_TOPICS)
+        stack.push_async_callback(self.recovery.close)
+        stack.push_async_callback(self.history.close)
+        stack.callback(self.delivery.cancel)
+        stack.push_async_callback(self._delete_rows)
+        stack.push_async_callback(self.registry.close)
         self.registry.start()
+        stack.push_async_callback(self.index.topics.close)
         self.index.topics.start()
-        self._presence_parts = AsyncExitStack()
-        await self.presence.start(self._presence_parts)
-        self.chat_marks.start()
+        stack.push_async_callback(self.chat.close)
+        stack.push_async_callback(self.last_seen.close)
         self.last_seen.start()
-        self._tasks = [
-            asyncio.create_task(self._ttl_loop(), name="ttl-refresh"),
-        ]
+        stack.push_async_callback(self.chat_marks.close)
+        self.chat_marks.start()
+        stack.push_async_callback(self._let_writes_out)
+        await self.presence.start(stack)
+        ttl = asyncio.create_task(self._ttl_loop(), name="ttl-refresh")
+        stack.push_async_callback(cancel_and_wait, ttl)
+        stack.push_async_callback(self._close_sessions)
         for service in self.services:
+            stack.push_async_callback(_stop_service, service)
             await service.start()
-        self.ready = True
 
     async def drain(self, seconds: float) -> int:
         """Close every session with 1012, spread over ``seconds`` in jittered batches.
@@ -237,47 +256,28 @@ class Node:
         return len(sessions)
 
     async def stop(self) -> None:
-        """Close every session, then delete this node's rows.
-
-        Safe on a node whose start failed half-way: each part closes only what it opened.
-        """
+        """Stop the services, close every session, stop every part, delete this
+        node's rows: what ``start`` started, in reverse order (nothing twice)."""
         self.ready = False
-        for service in reversed(self.services):
-            try:
-                await service.stop()
-            except Exception:
-                log.exception("stopping %s failed", type(service).__name__)
+        await self._running.aclose()
+
+    async def _close_sessions(self) -> None:
         sessions = list(self.sessions)
         for session in sessions:
             session.close(CloseCode.SERVICE_RESTART, "server restarting")
         closing = [s.close_task for s in sessions if s.close_task is not None]
         if closing:
             await asyncio.wait(closing, timeout=5)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self._presence_parts.aclose()
-        # Marks and lastSeen already queued get a moment to reach the store.
+
+    async def _let_writes_out(self) -> None:
+        """Marks and lastSeen already queued get a moment to reach the store."""
         for pending in (self.chat_marks, self.last_seen):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(pending.drained(), STOP_DRAIN_SECONDS)
-        await self.chat_marks.close()
-        await self.last_seen.close()
-        await self.chat.close()
-        await self.index.topics.close()
-        await self.registry.close()
+
+    async def _delete_rows(self) -> None:
         with contextlib.suppress(Exception):
             await self.store.delete_endpoint_connections(self.node_id)
-        self.delivery.cancel()
-        await self.history.close()
-        await self.recovery.close()
-        await self.bus.close()
-        await self.streams.close()
-        await self.presence_backend.close()
-        await self.authenticator.close()
-        await self.store.close()
 
     # --- sessions -----------------------------------------------------------
 
@@ -482,3 +482,10 @@ class Node:
 
     def check_streams(self) -> None:
         self.delivery.check_streams()
+
+
+async def _stop_service(service: Service) -> None:
+    try:
+        await service.stop()
+    except Exception:
+        log.exception("stopping %s failed", type(service).__name__)
