@@ -35,7 +35,14 @@ from protocol.messages import (
     Skip,
     UserEvent,
 )
-from protocol.streams import HistoryRead, Step, StreamCursor, game_stream, stream_user
+from protocol.streams import (
+    HistoryRead,
+    Step,
+    StreamCursor,
+    already_sent,
+    game_stream,
+    stream_user,
+)
 from server.bus.topics import ALL_GAMES, PRESENCE, PRESENCE_HINTS, game_topic
 from server.routing.history_reads import HistoryReads
 from server.routing.index import HubIndex
@@ -177,21 +184,18 @@ class StreamDelivery:
             if not self._index.holds(stream):
                 return  # a message in flight after the last watcher left
             cursor = self.cursors[stream] = StreamCursor()
-        step = cursor.step(epoch, offset)
-        if step is Step.DUPLICATE:
-            return
-        if step is Step.GAP:
+        arrival = cursor.receive(epoch, offset, repairing=repairing)
+        if arrival.step is Step.GAP:
             stream_gaps.inc()
-            if not repairing:
-                self._repairing[stream] = [(positioned, message)]
-                self._spawn(self._repair(stream), f"repair {stream}")
-                return
-            # The history could not fill it: the watchers must refetch.
-            self._lost(stream, epoch, offset - 1)
-        elif step is Step.NEW_EPOCH:
-            self._lost(stream, epoch, offset - 1)
-        cursor.advance(epoch, offset)
-        self._deliver(stream, epoch, offset, message)
+        if arrival.repair:
+            self._repairing[stream] = [(positioned, message)]
+            self._spawn(self._repair(stream), f"repair {stream}")
+            return
+        if arrival.lost is not None:
+            # The history could not fill the hole, or the epoch changed: the watchers must refetch.
+            self._lost(stream, arrival.lost.epoch, arrival.lost.offset)
+        if arrival.deliver:
+            self._deliver(stream, epoch, offset, message)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -212,22 +216,12 @@ class StreamDelivery:
         if cursor is None:
             return  # nobody here holds the stream any more
         if history is not None:
-            entries = history.entries
-            if history.epoch != cursor.epoch or (entries and entries[0][0] > cursor.offset + 1):
-                # The hole is gone from history (or the stream has a new epoch):
-                # the watchers must refetch, from just before what history still
-                # holds, so that everyone still hears every event it has.
-                base = entries[0][0] - 1 if entries else history.top
-                self._lost(stream, history.epoch, base)
-                cursor.advance(history.epoch, base)
-            elif not entries and cursor.offset < history.top:
-                self._lost(stream, history.epoch, history.top)
-                cursor.advance(history.epoch, history.top)
-            for offset, envelope in entries:
-                if offset == cursor.offset + 1:
-                    stream_repaired.inc()
-                    cursor.advance(history.epoch, offset)
-                    self._deliver(stream, history.epoch, offset, envelope)
+            repair = cursor.fill(history)
+            if repair.lost is not None:
+                self._lost(stream, repair.lost.epoch, repair.lost.offset)
+            for offset, envelope in repair.events:
+                stream_repaired.inc()
+                self._deliver(stream, history.epoch, offset, envelope)
         # Arrival order is stream order (Redis publishes a stream's events in order).
         for positioned, message in pending:
             self._step(stream, positioned, message, repairing=True)
@@ -257,9 +251,8 @@ class StreamDelivery:
                 continue
             positions = session.positions
             assert positions is not None
-            last = positions.get(stream)
-            if last is not None and last[0] == epoch and offset <= last[1]:
-                continue  # already sent by its replay
+            if already_sent(positions.get(stream), epoch, offset):
+                continue  # sent by its replay
             positions[stream] = (epoch, offset)
             (skips if session.user_id in exclude else sends).append(session)
         if sends:

@@ -30,8 +30,8 @@ from protocol.messages import (
 )
 from protocol.streams import (
     HistoryRead,
+    answer_recovery,
     game_stream,
-    merge_recovery,
     stream_game,
     stream_user,
     user_stream,
@@ -128,39 +128,21 @@ class Recovery:
         assert positions is not None
         if isinstance(history, BaseException):
             log.warning("history of %s unreadable during recovery: %s", stream, history)
-            recoveries_failed.inc()
-            epoch, top = (buffered[0][0], buffered[0][1] - 1) if buffered else (since.epoch, 0)
-            out.append(Frame(Recovered(stream, False, epoch, top)))
-            positions[stream] = (epoch, top)
-            self._send_buffered(session, stream, epoch, top, buffered, out)
-            return
-        plan = merge_recovery(since, history, buffered)
-        for offset, message in plan.events:
-            self._send_one(session, stream, plan.epoch, offset, message, out)
-        if not plan.recovered:
-            recoveries_failed.inc()
-        if plan.recovered:
-            answer = Recovered(stream, True, plan.epoch, plan.offset)
-            key = (stream, plan.epoch, plan.offset, "recovered")
-            out.append(self._replay_frame(key, lambda: answer))
+            answer = answer_recovery(since, None, buffered)
         else:
-            out.append(Frame(Recovered(stream, False, plan.epoch, plan.offset)))
-        positions[stream] = (plan.epoch, plan.offset)
-        if not plan.recovered:
-            self._send_buffered(session, stream, plan.epoch, plan.offset, buffered, out)
-
-    def _send_buffered(
-        self,
-        session: Session,
-        stream: str,
-        epoch: str,
-        top: int,
-        buffered: list[tuple[str, int, Broadcast]],
-        out: list[Frame],
-    ) -> None:
-        for live_epoch, offset, message in buffered:
-            if live_epoch == epoch and offset > top:
-                self._send_one(session, stream, epoch, offset, message, out)
+            answer = answer_recovery(since, history, buffered)
+        epoch, offset = answer.epoch, answer.offset
+        for event_offset, message in answer.replay:
+            self._send_one(session, stream, epoch, event_offset, message, out)
+        if answer.recovered:
+            recovered = Recovered(stream, True, epoch, offset)
+            out.append(self._replay_frame((stream, epoch, offset, "recovered"), lambda: recovered))
+        else:
+            recoveries_failed.inc()
+            out.append(Frame(Recovered(stream, False, epoch, offset)))
+        positions[stream] = (epoch, offset)
+        for event_offset, message in answer.live:
+            self._send_one(session, stream, epoch, event_offset, message, out)
 
     def _send_one(
         self,
