@@ -32,9 +32,9 @@ async def start_listeners(
 ) -> tuple[Server, web.AppRunner]:
     """The public WebSocket listener and the internal HTTP one."""
     ws_server = await serve_websocket(node, reclaimer)
-    runner = web.AppRunner(build_app(node), access_log=None)
-    await runner.setup()
     settings = node.settings
+    runner = web.AppRunner(build_app(node, settings), access_log=None)
+    await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port, backlog=1024)
     await site.start()
     return ws_server, runner

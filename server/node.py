@@ -1,24 +1,12 @@
-"""The hub: this node's sessions, their indexes, and routing from the bus to sockets.
+"""The hub's interface: sessions in and out, ``publish``, ``status()``, and its life.
 
-Every event enters the cluster once (``publish``), crosses the bus, and each
-node picks its own recipients from indexes kept up to date on subscribe and
-watch. No path here scans all connections.
-
-Python API for services (stable):
-
-- ``positions = await node.publish(message)`` where
-  ``message = protocol.parse.parse_broadcast(body_bytes)`` (or the same
-  :class:`~protocol.messages.Broadcast` built directly). It is the one door for
-  every event: ``game``/``chat`` go to the game's stream, a ``UserEvent`` to
-  each addressed user's stream, ``test`` to every node. The returned
-  ``dict[str, Position]`` maps each stream written to the event's position
-  (empty for ``test``, and when Redis is unreachable and the event could only
-  be delivered on this node, unpositioned).
-- Streams (``protocol.streams``): ``game:<meta>#<id>`` and ``user:<userId>``.
-  Each node keeps a cursor per stream it holds and repairs gaps from the
-  history (``Streams.read``) before it delivers anything later; when it cannot,
-  or when the epoch changed, its stream-speaking clients get
-  ``recovered: false``.
+Every event enters the cluster once, through :meth:`Node.publish` (``game`` and
+``chat`` go to the game's stream, a ``UserEvent`` to each addressed user's
+stream, ``test`` to every node), crosses the bus, and each node picks its own
+recipients from indexes kept up to date on subscribe and watch. The rooms
+behind it: ``routing/`` (indexes, delivery in stream order, recovery),
+``presence/node_presence.py`` (this node's part in presence), ``services/``
+(domain rules, given callables, never the node).
 """
 
 from __future__ import annotations
@@ -26,77 +14,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
-import time
 from contextlib import AsyncExitStack
+from typing import Any
 
-from protocol.envelope import (
-    encode_envelope,
-)
+from protocol.envelope import encode_envelope
 from protocol.errors import CloseCode, ErrorCode
-from protocol.messages import (
-    AdminTest,
-    Broadcast,
-    GameEvent,
-    GameKey,
-    Position,
-    Since,
-    Subscribe,
-)
-from protocol.streams import (
-    game_stream,
-    user_stream,
-)
+from protocol.messages import AdminTest, Broadcast, GameEvent, GameKey, Position, Since, Subscribe
+from protocol.streams import game_stream, user_stream
 from server.auth.verify import Authenticator, AuthError, AuthUnavailable
 from server.bus.base import Bus
 from server.bus.streams import Append, Streams
-from server.bus.topics import (
-    ADMIN,
-    ALL_GAMES,
-    NODE_TOPICS,
-    game_topic,
-)
+from server.bus.topics import ADMIN, ALL_GAMES, NODE_TOPICS, game_topic
 from server.config import Settings
-from server.presence.core import (
-    PresenceBackend,
-)
+from server.presence.core import PresenceBackend
 from server.presence.node_presence import NodePresence
 from server.routing.delivery import StreamDelivery
 from server.routing.history_reads import HistoryReads
-from server.routing.index import (
-    HubIndex,
-    StreamState,
-    kept_stream_state,
-    restore_stream_state,
-)
+from server.routing.index import HubIndex, StreamState, kept_stream_state, restore_stream_state
 from server.routing.recovery import Recovery
 from server.routing.subscribe_batching import SubscribeBatcher
 from server.runtime.connection_rows import ConnectionRegistry
 from server.runtime.metrics import REGISTRY
-from server.runtime.tasks import cancel_and_wait
+from server.runtime.tasks import run_until_unwound
 from server.services import Coordination, Service
 from server.services.bots import BotService
 from server.services.chat import ChatService
 from server.services.chat_marks import ChatMarks
 from server.services.last_seen import LastSeen
-from server.session import Session
-from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
+from server.session import Session, close_spread_out, wait_closed
+from server.store.base import Store, ttl_from_now
 
 log = logging.getLogger(__name__)
 
-RELOAD_ATTEMPTS = 20
-"""Tries to reload presence after a bus reconnect (about 15 s of backoff in all)."""
-SYNC_PRESENCE_INTERVAL = 1.0
-"""Seconds between two snapshots answering one connection's syncPresence."""
-
 events_published = REGISTRY.counter("ap_events_published_total", "Events accepted for fan-out")
 
-
-DRAIN_BATCH_SECONDS = 0.1
-"""One batch of drain closes per this interval: 100 batches over the default 10 s."""
-
-
 STOP_DRAIN_SECONDS = 2.0
+"""How long a stop waits for queued marks and lastSeen writes to reach the store."""
 
 
 class Node:
@@ -110,42 +63,41 @@ class Node:
         streams: Streams,
         coordination: Coordination,
     ) -> None:
+        """The node's parts come chosen (``server.wiring``); it composes its rooms."""
         self.settings = settings
-        self.streams = streams
         self.node_id = settings.node_id
         self.store = store
         self.bus = bus
         self.presence_backend = presence_backend
         self.authenticator = authenticator
+        self.streams = streams
+        self._outbox_limit = limit = settings.outbox_limit_bytes
         self.registry = ConnectionRegistry(store)
-        self.bots = BotService(store, settings.bot_max_connections, settings.outbox_limit_bytes)
-        self._outbox_limit = settings.outbox_limit_bytes
-        self.index = HubIndex(settings, bus, released=self._released)
+        self.index = HubIndex(settings, bus, released=lambda stream: self.delivery.forget(stream))
         self.sessions = self.index.sessions
         self.last_seen = LastSeen(store, coordination.last_seen_claims)
         self.presence = NodePresence(
             settings,
             presence_backend,
             store,
-            self.index.sessions,
+            self.sessions,
             self.index.presence_watchers,
             self.last_seen.seen,
+        )
+        self.bots = BotService(
+            store,
+            settings.bot_max_connections,
+            limit,
+            subscribe=bus.subscribe,
+            watch=self.watch,
+            is_open=self.sessions.__contains__,
         )
         # Every history read (recovery, repair) goes out in batches.
         self.history = HistoryReads(streams)
         self.delivery = StreamDelivery(
-            self.index,
-            self.history,
-            self.presence,
-            lambda session: self.bots.send_pending_turns(self, session),
-            self._outbox_limit,
+            self.index, self.history, self.presence, self.bots.send_pending_turns, limit
         )
-        self.recovery = Recovery(self.history, SubscribeBatcher(bus), self._outbox_limit)
-        self._running = AsyncExitStack()  # the stops of what started, for ``stop``
-        self.services: list[Service] = []  # started after the node, stopped before it
-        self.ready = False
-        self.draining = False
-        self._sessions_gone = asyncio.Event()  # set when a drain has closed the last one
+        self.recovery = Recovery(self.history, SubscribeBatcher(bus), limit)
         self.chat_marks = ChatMarks(store)
         self.chat = ChatService(
             store,
@@ -153,22 +105,21 @@ class Node:
             coordination.game_locks,
             coordination.chat_limiter,
             self.chat_marks,
-            self._outbox_limit,
+            limit,
         )
-
-    def _released(self, stream: str) -> None:
-        self.delivery.forget(stream)
+        self.services: list[Service] = []  # started after the node, stopped before it
+        self.ready = False
+        self.draining = False
+        self._sessions_gone = asyncio.Event()  # set when a drain has closed the last one
+        self._running = AsyncExitStack()  # the stops of what started, for ``stop``
 
     # --- lifecycle ----------------------------------------------------------
 
     async def start(self) -> None:
-        """Start every part in order, then be ready.
-
-        Each part's stop goes on one ``AsyncExitStack`` just before the part
-        starts (a start that fails half-way still closes what it opened): a
-        failed or cancelled start closes exactly what started, in reverse
-        order, and ``stop`` unwinds the same stack.
-        """
+        """Start every part in order, then be ready. Each part's stop goes on one
+        ``AsyncExitStack`` just before the part starts (so a start that fails half-way
+        still closes what it opened): a failed or cancelled start closes exactly what
+        started, in reverse order, and ``stop`` unwinds the same stack."""
         async with AsyncExitStack() as stack:
             await self._start(stack)
             self._running = stack.pop_all()
@@ -203,17 +154,16 @@ class Node:
         self.chat_marks.start()
         stack.push_async_callback(self._let_writes_out)
         await self.presence.start(stack)
-        ttl = asyncio.create_task(self._ttl_loop(), name="ttl-refresh")
-        stack.push_async_callback(cancel_and_wait, ttl)
+        ttl_refresh = self.registry.keep_alive(self.sessions, self.settings.ttl_refresh_seconds)
+        run_until_unwound(stack, ttl_refresh, "ttl-refresh")
         stack.push_async_callback(self._close_sessions)
         for service in self.services:
             stack.push_async_callback(_stop_service, service)
             await service.start()
 
     async def drain(self, seconds: float) -> int:
-        """Close every session with 1012, spread over ``seconds`` in jittered batches.
-
-        Returns how many sessions it closed.
+        """Close every session with 1012, spread over ``seconds`` in jittered batches;
+        returns how many it closed.
 
         Closing all at once sends every client to the other nodes in the same
         second. Each closed user stays reported by this node until its own
@@ -226,22 +176,12 @@ class Node:
         sessions = list(self.sessions)
         if not sessions:
             return 0
-        random.shuffle(sessions)
-        batches = max(1, min(len(sessions), round(seconds / DRAIN_BATCH_SECONDS)))
         loop = asyncio.get_running_loop()
         started = loop.time()
-        # Batch i closes at a random moment of the i-th slice of the window.
-        moments = [started + seconds * (i + random.random()) / batches for i in range(batches)]
-        log.info("draining %d sessions over %gs in %d batches", len(sessions), seconds, batches)
-        for i, moment in enumerate(moments):
-            await asyncio.sleep(max(0.0, moment - loop.time()))
-            for session in sessions[i::batches]:
-                session.close(CloseCode.SERVICE_RESTART, "server restarting")
+        await close_spread_out(sessions, seconds, CloseCode.SERVICE_RESTART, "server restarting")
         for session in list(self.sessions):  # any that slipped in while the listener closed
             session.close(CloseCode.SERVICE_RESTART, "server restarting")
-        closing = [s.close_task for s in sessions if s.close_task is not None]
-        if closing:
-            await asyncio.wait(closing, timeout=self.settings.close_timeout)
+        await wait_closed(sessions, self.settings.close_timeout)
         # Report the last leaves, then give the writer one more window: a user
         # who did not come back leaves now, one who moved does not flap. The
         # rows were deleted behind, in batches: let the last batch go out too.
@@ -265,9 +205,7 @@ class Node:
         sessions = list(self.sessions)
         for session in sessions:
             session.close(CloseCode.SERVICE_RESTART, "server restarting")
-        closing = [s.close_task for s in sessions if s.close_task is not None]
-        if closing:
-            await asyncio.wait(closing, timeout=5)
+        await wait_closed(sessions, 5)
 
     async def _let_writes_out(self) -> None:
         """Marks and lastSeen already queued get a moment to reach the store."""
@@ -278,6 +216,26 @@ class Node:
     async def _delete_rows(self) -> None:
         with contextlib.suppress(Exception):
             await self.store.delete_endpoint_connections(self.node_id)
+
+    # --- status ---------------------------------------------------------------
+
+    def readiness(self) -> dict[str, bool]:
+        """What ``/readyz`` checks: started and not draining, and the bus serving."""
+        return {"started": self.ready, "bus": self.bus.serving}
+
+    async def status(self) -> dict[str, Any]:
+        """This node now, for the operator's page (which adds its settings and counters)."""
+        return {
+            "node": self.node_id,
+            "ready": self.ready,
+            "draining": self.draining,
+            "connections": len(self.sessions),
+            "users": self.presence.local.user_count,
+            "watched_games": len(self.index.by_game),
+            "presence": self.presence.status(),
+            "bus_connected": self.bus.connected,
+            "nodes": await self.presence.members(),
+        }
 
     # --- sessions -----------------------------------------------------------
 
@@ -339,24 +297,12 @@ class Node:
         games = action.games if action.games is not None else frozenset()
         if not self.index.games_allowed(session, identity.user_id, games):
             games = frozenset()
-        session.user_id = identity.user_id
-        session.kind = identity.kind
-        session.invisible = action.invisible
-        # Bots get no presence unless they ask, and never fall back to legacy routing.
-        wants = action.wants_presence
-        session.wants_presence = wants if wants is not None else not bot
-        session.watch_version = action.watch_version
-        if bot and session.watch_version is None:
-            session.watch_version = 1
-        session.watching = games
-        session.row_ttl = ttl_from_now()
-        if action.since is not None and session.positions is None:
-            session.positions = {}
+        session.take_subscribe(identity.user_id, identity.kind, action, games)
         self.index.add(session)
         restore_stream_state(session, kept)
         if not bot:
             self.presence.joined(identity.user_id, session.invisible)
-        self.registry.put(self._record(session))
+        self.registry.put(session.row(self.node_id))
         self.last_seen.seen(identity.user_id)
         if session.wants_presence:
             # The snapshot and this session's place among delta recipients are
@@ -366,7 +312,7 @@ class Node:
             await self.recovery.recover(session, action.since)
         if bot:
             # After recovery: a recovered:false is followed by a fresh list.
-            await self.bots.send_pending_turns(self, session)
+            await self.bots.send_pending_turns(session)
 
     async def watch(
         self, session: Session, games: frozenset[GameKey], since: Since | None = None
@@ -383,51 +329,21 @@ class Node:
         # 1 s later: nothing to re-index, and no row write (in a reconnect storm,
         # three store writes per client that change nothing).
         if not unchanged:
-            kept = kept_stream_state(
-                session, {game_stream(key) for key in games & session.watching}
-            )
-            self.index.remove_games(session)
-            if since is not None and session.positions is None:
-                session.positions = {}
-            session.watching = games
-            session.watch_version = 1
-            self.index.add_games(session)
-            restore_stream_state(session, kept)
+            self.index.rewatch(session, games, speaks_streams=since is not None)
             session.row_ttl = ttl_from_now()
             self.registry.watch(session.connection_id, games, 1, session.row_ttl)
         if since is not None:
             await self.recovery.recover(session, since)
 
-    def _record(self, session: Session) -> ConnectionRecord:
-        assert session.user_id is not None
-        return ConnectionRecord(
-            connection_id=session.connection_id,
-            user_id=session.user_id,
-            invisible=session.invisible,
-            endpoint=self.node_id,
-            wants_presence=session.wants_presence,
-            watch_version=session.watch_version,
-            watching_games=session.watching,
-            ttl=session.row_ttl,
-        )
+    def sync_presence(self, session: Session) -> None:
+        self.presence.sync(session)
 
     def rewrite_rows(self) -> None:
         """Write every session's row again: the cluster presumed this node dead and
         deleted them while it was only unreachable."""
         for session in self.sessions:
             if session.subscribed:
-                self.registry.put(self._record(session))
-
-    async def _ttl_loop(self) -> None:
-        """Push forward the ttl of rows that live longer than it."""
-        interval = self.settings.ttl_refresh_seconds
-        while True:
-            await asyncio.sleep(interval)
-            horizon = time.time() + CONNECTION_TTL_SECONDS - interval * 2
-            for session in list(self.sessions):
-                if session.subscribed and session.row_ttl < horizon:
-                    session.row_ttl = ttl_from_now()
-                    self.registry.refresh_ttl(session.connection_id, session.row_ttl)
+                self.registry.put(session.row(self.node_id))
 
     # --- events -------------------------------------------------------------
 
@@ -472,16 +388,6 @@ class Node:
                 self.delivery.deliver_unpositioned(item.stream, message)
             return {}
         return {item.stream: position for item, position in zip(items, positions, strict=True)}
-
-    def resync(self) -> None:
-        """The bus reconnected and may have lost messages: see ``NodePresence.resync``."""
-        self.presence.resync()
-
-    def sync_presence(self, session: Session) -> None:
-        self.presence.sync(session)
-
-    def check_streams(self) -> None:
-        self.delivery.check_streams()
 
 
 async def _stop_service(service: Service) -> None:

@@ -110,9 +110,9 @@ def _cluster_node(settings: Settings, store: Store) -> Node:
     )
     # After a Redis reconnect the node reloads presence and re-snapshots its
     # clients; if the cluster presumed it dead, it writes its rows again.
-    bus.on_reconnect(node.resync)
+    bus.on_reconnect(node.presence.resync)
     # Events published meanwhile are in the streams' history: fill the holes.
-    bus.on_reconnect(node.check_streams)
+    bus.on_reconnect(node.delivery.check_streams)
     backend.on_presumed_dead(node.rewrite_rows)
     return node
 
@@ -153,9 +153,11 @@ def add_bridges(node: Node, settings: Settings) -> None:
 
         node.services.append(
             SqsBridge(
-                node,
+                node.publish,
+                node.bus,
                 choose_dedup(node, settings),
                 settings.sqs_queue_url,
+                node_id=settings.node_id,
                 region=settings.region,
                 endpoint_url=settings.sqs_endpoint,
                 pollers=settings.sqs_pollers,
@@ -168,10 +170,11 @@ def add_bridges(node: Node, settings: Settings) -> None:
 
         node.services.append(
             NotificationPush(
-                node,
+                node.publish,
                 node.store,
                 choose_lease(node, settings, "ap:{notifications}:leader"),
                 choose_dedup(node, settings),
+                node_id=settings.node_id,
                 table=settings.table,
                 region=settings.region,
                 endpoint_url=settings.dynamodb_endpoint,

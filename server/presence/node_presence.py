@@ -17,6 +17,8 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Set
 from contextlib import AsyncExitStack
+from dataclasses import asdict
+from typing import Any
 
 from protocol.codec import Frame
 from protocol.messages import PresenceDelta
@@ -29,7 +31,7 @@ from server.presence.core import (
     presence_resyncs,
 )
 from server.runtime.metrics import REGISTRY
-from server.runtime.tasks import cancel_and_wait
+from server.runtime.tasks import run_until_unwound
 from server.runtime.write_behind import CoalescingFlusher
 from server.session import Session, send_frame
 from server.store.base import Store
@@ -95,8 +97,7 @@ class NodePresence:
         stack.push_async_callback(self._reports.close)
         self.writer.start()
         stack.push_async_callback(self.writer.close)
-        deltas = asyncio.create_task(self._delta_loop(), name="presence-deltas")
-        stack.push_async_callback(cancel_and_wait, deltas)
+        run_until_unwound(stack, self._delta_loop(), "presence-deltas")
 
     # --- this node's users ----------------------------------------------------
 
@@ -138,6 +139,23 @@ class NodePresence:
         since, self._reports_since = self._reports_since, None
         await self._backend.report(batch, time.time() if since is None else since)
         return {}
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "seq": self.view.seq,
+            "writer": self.writer.leading,
+            "online_total": self.view.total,
+            "report_backlog": self.report_backlog,
+        }
+
+    async def members(self) -> list[dict[str, Any]] | None:
+        """The cluster's nodes as the backend knows them; None when it cannot say now."""
+        try:
+            async with asyncio.timeout(2):
+                return [asdict(m) for m in await self._backend.members()]
+        except Exception as exc:  # Redis down: the page says so rather than failing
+            log.info("status: cluster members unavailable: %s", exc)
+            return None
 
     # --- the view and its watchers --------------------------------------------
 

@@ -176,6 +176,18 @@ class HubIndex:
                 self.topics.put(game_topic(key), False)
                 self._released(stream)
 
+    def rewatch(self, session: Session, games: frozenset[GameKey], *, speaks_streams: bool) -> None:
+        """Re-index ``session`` under the watch set ``games``; the stream positions and
+        buffers of the games it keeps stay. ``speaks_streams``: it asked with ``since``."""
+        kept = kept_stream_state(session, {game_stream(key) for key in games & session.watching})
+        self.remove_games(session)
+        if speaks_streams and session.positions is None:
+            session.positions = {}
+        session.watching = games
+        session.watch_version = 1
+        self.add_games(session)
+        restore_stream_state(session, kept)
+
     def _add_speaker(self, stream: str, session: Session) -> None:
         self.speakers.setdefault(stream, set()).add(session)
 

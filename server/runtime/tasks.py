@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine
+from contextlib import AsyncExitStack
+from typing import Any
 
 
 async def cancel_and_wait(task: asyncio.Task[None]) -> None:
@@ -11,3 +14,9 @@ async def cancel_and_wait(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def run_until_unwound(stack: AsyncExitStack, coro: Coroutine[Any, Any, None], name: str) -> None:
+    """Run ``coro`` as a task until ``stack`` unwinds, which cancels it and waits for it."""
+    task = asyncio.create_task(coro, name=name)
+    stack.push_async_callback(cancel_and_wait, task)

@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from protocol.messages import Broadcast, GameKey, Position, Since
 from server.coordination.claims import Claims
 from server.coordination.game_lock import GameLocks
 from server.coordination.rate_limit import RateLimiter
+from server.session import Session
 
 
 class Service(Protocol):
@@ -19,6 +21,22 @@ class Service(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+class Publish(Protocol):
+    """The hub's one door for events (``Node.publish``): the positions taken, per stream."""
+
+    async def __call__(
+        self, message: Broadcast, *, require_cluster: bool = False, event_id: str | None = None
+    ) -> dict[str, Position]: ...
+
+
+class Watch(Protocol):
+    """A session's new watch set (``Node.watch``), recovering ``since`` if given."""
+
+    async def __call__(
+        self, session: Session, games: frozenset[GameKey], since: Since | None = None
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
