@@ -1,4 +1,4 @@
-"""Streams, sans I/O: names, the recovery decision, and the per-stream cursor.
+"""Streams, sans I/O: names, positions, and the ordering and recovery rules.
 
 Every game and user event has a place in a stream:
 

@@ -53,6 +53,8 @@ STOP_DRAIN_SECONDS = 2.0
 
 
 class Node:
+    """One node's hub: its sessions, their indexes, and the rooms that serve them."""
+
     def __init__(
         self,
         settings: Settings,
