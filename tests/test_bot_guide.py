@@ -96,11 +96,11 @@ async def test_the_guide_example_learns_its_turns_and_reconnects(
         assert setup.issuer.tokens_issued == 1
         # The server restarts the socket; meanwhile the bot must move in g2 too.
         setup.store.put_current_game(BOT, CurrentGame("g2", "chess", (BOT, "alice"), "0"))
-        (session,) = node.by_user[BOT]
+        (session,) = node.index.by_user[BOT]
         session.close(CloseCode.SERVICE_RESTART, "server restarting")
         await eventually(lambda: len(turns) == 3, 10, "pendingTurns after the reconnect")
         assert sorted(turns[1:]) == [("chess", "g1"), ("chess", "g2")]
-        (again,) = node.by_user[BOT]
+        (again,) = node.index.by_user[BOT]
         assert again is not session and again.is_bot
         assert setup.issuer.tokens_issued == 1  # the token was reused, not fetched again
 
@@ -110,13 +110,13 @@ async def test_the_guide_example_learns_its_turns_and_reconnects(
         assert bot.positions[f"user:{BOT}"]["offset"] == 1
         # Turns published while it is away are replayed when it reconnects with since.
         # 1013 makes the example wait a second or two before it reconnects.
-        (session,) = node.by_user[BOT]
+        (session,) = node.index.by_user[BOT]
         session.close(CloseCode.TRY_AGAIN_LATER, "try again later")
-        await eventually(lambda: BOT not in node.by_user, 10, "the bot to be gone")
+        await eventually(lambda: BOT not in node.index.by_user, 10, "the bot to be gone")
         mark = len(turns)
         await publish_turn(setup.server, "g4")
         await publish_turn(setup.server, "g5")
-        assert BOT not in node.by_user, "the example reconnected too soon for this test"
+        assert BOT not in node.index.by_user, "the example reconnected too soon for this test"
         # replayed in order, then the pendingTurns of the new subscribe
         await eventually(lambda: len(turns) == mark + 4, 10, "the replay and pendingTurns")
         assert turns[mark : mark + 2] == [("chess", "g4"), ("chess", "g5")]

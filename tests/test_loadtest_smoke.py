@@ -266,7 +266,10 @@ def test_bridge(outcomes: dict[str, Outcome]) -> None:
         assert p["cpu_s"]["moto"] > 0
         assert p["sender_cpu_ms_per_message"] > 0
         per_cpu_second = p["messages_per_node_cpu_second"]
-        assert per_cpu_second > 0 if phase == "steady" else not per_cpu_second <= 0
+        # Outside the steady phase the nodes' CPU may be within their idle rate: then
+        # there is no figure (NaN, written as null), never a figure at or below zero.
+        if phase == "steady" or per_cpu_second is not None:
+            assert per_cpu_second > 0, p
         assert p["queue_depth"]["max"] >= 0
     assert set(bridge["idle"]["cpu_cores"]) == {"node-1", "node-2", "redis"}
     assert bridge["steady"]["watchers_counted"] == 20

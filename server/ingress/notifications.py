@@ -41,8 +41,8 @@ from protocol.parse import parse_broadcast
 from server.coordination.dedup import Claim, Dedup
 from server.coordination.lease import Lease
 from server.ingress.table_stream import Record, TableStreamReader
-from server.node import Node
 from server.runtime.metrics import REGISTRY
+from server.services import Publish
 from server.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -111,19 +111,20 @@ class NotificationPush:
 
     def __init__(
         self,
-        node: Node,
+        publish: Publish,
         store: Store,
         lease: Lease,
         dedup: Dedup,
         *,
+        node_id: str,
         table: str,
         region: str,
         endpoint_url: str | None,
         poll_seconds: float,
     ) -> None:
-        self._node = node
+        self._publish_event = publish
         self._dedup = dedup
-        self._token = f"{node.node_id}/{uuid.uuid4().hex}"
+        self._token = f"{node_id}/{uuid.uuid4().hex}"
         self._calls = 0
         self.reader = TableStreamReader(
             store,
@@ -188,5 +189,5 @@ class NotificationPush:
                 reason,
             )
             return
-        await self._node.publish(message, require_cluster=True, event_id=notification.sk)
+        await self._publish_event(message, require_cluster=True, event_id=notification.sk)
         pushed.inc()
