@@ -218,10 +218,10 @@ class RealtimeClient:
     keeps reconnecting) until the block ends or the client stops. See
     ``docs/clients.md`` for the behaviour; in short:
 
-    - ``url``: one address, or several tried in turn after each failure.
+    - ``url``: one address, or several: each failure moves to another, at random.
     - ``get_token``: called (sync or async) before every connect, one call at a
       time; with ``refresh=True`` once after the server refused the token
-      (1008), when it takes a ``refresh`` argument. None or :class:`Unauthorized`
+      (1008), when it has a parameter named ``refresh``. None or :class:`Unauthorized`
       stops the client; any other exception is retried with backoff.
     - ``games``: the games to watch (``set_games`` changes them).
     - ``storage``: where positions are kept: a file path, a :class:`Storage`,
@@ -465,8 +465,7 @@ class RealtimeClient:
                 return
             if plan.wait is Wait.REFRESH:
                 self._refreshed = self._refresh_next = True
-            # the next address: a node that failed or drained may not be back yet
-            self._url_index = (self._url_index + 1) % len(self._urls)
+            self._url_index = self._next_url()
             delay = 0.0
             if not self._now:
                 delay = wait_seconds(plan.wait, self._attempt, outcome.retry_after, self._rand)
@@ -484,6 +483,15 @@ class RealtimeClient:
                 async with asyncio.timeout(delay):
                     await self._wake.wait()
             self._now = False
+
+    def _next_url(self) -> int:
+        """Another address, picked at random: a node that failed or drained may not be
+        back yet, and its clients spread over the others instead of all moving to one."""
+        count = len(self._urls)
+        if count == 1:
+            return 0
+        step = 1 + min(int(self._rand() * (count - 1)), count - 2)
+        return (self._url_index + step) % count
 
     async def _attempt_once(self) -> _Outcome:
         try:
@@ -544,7 +552,9 @@ class RealtimeClient:
             if callable(invalidate):
                 invalidate()
         try:
-            got = self._get_token(refresh) if self._token_takes_refresh else self._get_token()
+            got = (
+                self._get_token(refresh=refresh) if self._token_takes_refresh else self._get_token()
+            )
             if inspect.isawaitable(got):
                 got = await got
         except Exception:
@@ -917,15 +927,12 @@ def _stream_of(value: AnyEvent) -> str | None:
 
 
 def _takes_refresh(get_token: Callable[..., Any]) -> bool:
+    """Whether ``get_token`` has a ``refresh`` parameter (then it is passed by name)."""
     try:
-        signature = inspect.signature(get_token)
+        parameters = inspect.signature(get_token).parameters
     except (TypeError, ValueError):
         return False
-    try:
-        signature.bind(False)
-    except TypeError:
-        return False
-    return True
+    return "refresh" in parameters
 
 
 def _retry_after(value: str | None) -> float:

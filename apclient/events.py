@@ -58,6 +58,8 @@ class RecoveryInfo:
     was_recovering: bool  # a position was sent for it (not a first look at the stream)
     recovered: bool
     replayed: int  # events replayed before the answer
+    epoch: str = ""  # where the stream goes on from
+    offset: int = 0
     verb: Literal["recovered"] = "recovered"
 
 

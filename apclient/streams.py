@@ -198,7 +198,6 @@ class Tracker:
         self._flush(stream, recovery, out)
         was = recovery is not None and recovery.was
         replayed = recovery.replayed if recovery is not None else 0
-        info = RecoveryInfo(stream, was, answer.recovered, replayed)
         position = Position(answer.epoch, answer.offset)
         held = self.received.get(stream)
         if (
@@ -207,6 +206,9 @@ class Tracker:
             and judge(held, answer.epoch, answer.offset) is Verdict.OLD
         ):
             position = held  # what the replay handed over already: never go back over it
+        info = RecoveryInfo(
+            stream, was, answer.recovered, replayed, position.epoch, position.offset
+        )
         # A first look at a stream (no position sent) is no loss; a live answer always is.
         lost = not answer.recovered and (recovery is None or recovery.was)
         self._received(stream, position)

@@ -171,8 +171,8 @@ def test_recovery_marks_replays_and_reports() -> None:
     assert [(e.offset, e.replayed) for e in delivered(out)] == [(3, True), (4, True)]
     reports = [o for o in out if isinstance(o, Report)]
     assert [r.info for r in reports] == [
-        RecoveryInfo(G, True, True, 2),
-        RecoveryInfo("user:u", False, False, 0),  # a first look is no loss
+        RecoveryInfo(G, True, True, 2, "e1", 4),
+        RecoveryInfo("user:u", False, False, 0, "u1", 7),  # a first look is no loss
     ]
     assert [r.commit for r in reports] == [Position("e1", 4), Position("u1", 7)]
     assert resyncs(out) == []
@@ -314,3 +314,18 @@ def test_positions_survive_in_a_file(tmp_path: Path) -> None:
     assert isinstance(memory, MemoryStorage)
     memory.save({G: Position("e", 1)})
     assert memory.load() == {G: Position("e", 1)}
+
+
+def test_after_a_failure_another_address_is_picked_at_random() -> None:
+    from apclient import RealtimeClient
+
+    draws = iter([0.0, 0.99, 0.5, 0.0])
+    client = RealtimeClient(["a", "b", "c"], get_token=lambda: "t", rand=lambda: next(draws))
+    picked = []
+    for _ in range(4):
+        client._url_index = client._next_url()
+        picked.append(client._url_index)
+    # never the one that failed; over the others, by the draw
+    assert picked == [1, 0, 2, 0]
+    single = RealtimeClient("a", get_token=lambda: "t")
+    assert single._next_url() == 0
