@@ -329,6 +329,9 @@ class Handler:
 refused_upgrades = REGISTRY.counter(
     "ap_refused_upgrades_total", "WebSocket upgrades answered 503 (node cap or accept rate)"
 )
+accepted_upgrades = REGISTRY.counter(
+    "ap_accepted_upgrades_total", "WebSocket upgrades admitted past the node cap and accept rate"
+)
 
 
 class Admission:
@@ -358,6 +361,7 @@ class Admission:
                 )
                 response.headers["Retry-After"] = str(bucket.retry_after(now))
                 return response
+        accepted_upgrades.inc()
         return None
 
 
