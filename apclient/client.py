@@ -19,6 +19,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import os
 import random
 import weakref
 from collections import deque
@@ -237,7 +238,7 @@ class RealtimeClient:
         *,
         get_token: TokenGetter,
         games: Iterable[GameRef] = (),
-        storage: Storage | str | Any = None,
+        storage: Storage | str | os.PathLike[str] | None = None,
         coalesce: Iterable[str] = (),
         on_resync: Callable[[str, ResyncInfo], Any] | None = None,
         invisible: bool = False,

@@ -623,3 +623,14 @@ async def test_a_slow_turn_never_holds_up_another_game(jwks_bot: BotWorld) -> No
         release.set()
         await Recorder().until(lambda: handled == ["g1", "g6", "g5"], "the slow one")
         await Recorder().until(lambda: client.positions[user].offset == 2, "the commits")
+
+
+async def test_msgpack_frames_and_the_invisible_flag(server: RunningServer) -> None:
+    client = sdk(server.ws_url, games=[G1], binary=True, invisible=True)
+    rec = Recorder().attach(client)
+    async with client:
+        await connected(client)
+        session = session_of(server)
+        assert session.binary and session.invisible
+        await publish_games(server, G1, range(2))
+        await rec.until(lambda: rec.payloads() == [0, 1], "events over msgpack")
