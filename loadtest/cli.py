@@ -20,9 +20,10 @@ from loadtest.harness.progress import Progress
 from loadtest.harness.runner import Options, Run
 from loadtest.report.summary import summary_lines
 from loadtest.scenarios.core import SCENARIOS as BASE_SCENARIOS
+from loadtest.scenarios.sdk import sdk
 from loadtest.scenarios.streams import STREAM_SCENARIOS
 
-SCENARIOS = {**BASE_SCENARIOS, **STREAM_SCENARIOS}
+SCENARIOS = {**BASE_SCENARIOS, **STREAM_SCENARIOS, "sdk": sdk}
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "idle": {
@@ -59,6 +60,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "recovery": {"connections": 5000, "games": 1000, "games_per_conn": 5, "bots": 0.0},
     "streammem": {"connections": 10000},
+    "sdk": {"connections": 2000, "games": 200, "games_per_conn": 3, "duration": 10.0, "rate": 40.0},
 }
 
 HELP = {
@@ -79,6 +81,8 @@ HELP = {
     "publish": "events/s into the streams from one node, and latency at half that rate",
     "recovery": "K clients reconnect at once with since after missing events: time, lost, dups",
     "streammem": "Redis memory per stream (N streams through the Lua script), idle and full",
+    "sdk": "N Python-SDK clients on 3 nodes through a kill -9 and a rolling restart: events "
+    "missed/duplicated as the handlers saw them, close -> recovered, accepts per second",
 }
 
 
@@ -169,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
             "bots",
             "abuse",
             "churn",
+            "sdk",
         ):
             parents.append(fan)
         if name in STREAM_SCENARIOS:
@@ -200,6 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
                 "--failover-seconds",
                 type=float,
                 help="events keep flowing this long after a Redis Cluster primary is killed",
+            )
+        if name == "sdk":
+            sub.add_argument(
+                "--accept-rate",
+                type=float,
+                default=500.0,
+                help="each node's --accept-rate, and the limit of its accepts in any second",
+            )
+            sub.add_argument(
+                "--drain-seconds", type=float, default=10.0, help="each node's --drain-seconds"
             )
         if name == "abuse":
             sub.add_argument(
@@ -255,6 +270,9 @@ def options_from(args: argparse.Namespace) -> Options:
     options.server_args = list(args.server_arg)
     options.server_cpus = [int(c) for c in args.server_cpus.split(",") if c.strip()]
     options.progress = not args.no_progress
+    if args.scenario == "sdk":
+        options.accept_rate = args.accept_rate
+        options.drain_seconds = args.drain_seconds
     if args.scenario == "abuse":
         options.attackers = args.attackers
         options.abuse_pad = args.pad

@@ -29,6 +29,7 @@ from server.config import Settings
 from server.presence.core import PresenceBackend
 from server.presence.node_presence import NodePresence
 from server.routing.delivery import StreamDelivery
+from server.routing.heartbeats import send_heartbeats
 from server.routing.history_reads import HistoryReads
 from server.routing.index import HubIndex, StreamState, kept_stream_state, restore_stream_state
 from server.routing.recovery import Recovery
@@ -128,6 +129,7 @@ class Node:
         self.ready = True
 
     async def _start(self, stack: AsyncExitStack) -> None:
+        limit = self._outbox_limit
         stack.push_async_callback(self.store.close)
         await self.store.start()
         stack.push_async_callback(self.authenticator.close)
@@ -158,6 +160,8 @@ class Node:
         await self.presence.start(stack)
         ttl_refresh = self.registry.keep_alive(self.sessions, self.settings.ttl_refresh_seconds)
         run_until_unwound(stack, ttl_refresh, "ttl-refresh")
+        beat = self.settings.heartbeat_seconds
+        run_until_unwound(stack, send_heartbeats(self.index.heartbeats, beat, limit), "heartbeats")
         stack.push_async_callback(self._close_sessions)
         for service in self.services:
             stack.push_async_callback(_stop_service, service)
@@ -261,25 +265,26 @@ class Node:
         else:
             self.presence.left(user_id, session.invisible)
 
-    async def subscribe(self, session: Session, action: Subscribe) -> None:
+    async def subscribe(self, session: Session, action: Subscribe) -> bool:
+        """Apply a subscribe; False when it was refused (its error frame is sent)."""
         try:
             identity = await self.authenticator.verify(action.token)
         except AuthUnavailable as exc:
             # Not the client's fault: a clear reason, and a code that says "retry".
             session.send_error(ErrorCode.UNAVAILABLE, str(exc), self._outbox_limit)
             session.close(CloseCode.TRY_AGAIN_LATER, "token cannot be checked now")
-            return
+            return False
         except AuthError as exc:
             session.send_error(ErrorCode.UNAUTHORIZED, str(exc), self._outbox_limit)
             session.close(CloseCode.POLICY_VIOLATION, "invalid token")
-            return
+            return False
         bot = identity.kind == "bot"
         if bot and not await self.bots.admit(
             session, identity.user_id, lambda: self.index.by_user.get(identity.user_id, ())
         ):
-            return
+            return False
         if session not in self.sessions:
-            return  # closed while the token was checked
+            return False  # closed while the token was checked
         kept: StreamState = ({}, {})
         if session.subscribed:
             if session.user_id != identity.user_id:
@@ -288,14 +293,14 @@ class Node:
                     "this connection is subscribed as another user",
                     self._outbox_limit,
                 )
-                return
+                return False
             kept = kept_stream_state(session, None)
             self.index.remove(session)
             if not session.is_bot:
                 # Reported together with the join below, as one change.
                 self.presence.local.remove(identity.user_id, session.invisible)
         elif not self.index.admit_user(session, identity.user_id):
-            return
+            return False
         games = action.games if action.games is not None else frozenset()
         if not self.index.games_allowed(session, identity.user_id, games):
             games = frozenset()
@@ -315,13 +320,15 @@ class Node:
         if bot:
             # After recovery: a recovered:false is followed by a fresh list.
             await self.bots.send_pending_turns(session)
+        return session in self.sessions and session.close_task is None
 
     async def watch(
         self, session: Session, games: frozenset[GameKey], since: Since | None = None
-    ) -> None:
+    ) -> bool:
+        """Replace the watch set; False when it was refused (the old set stays)."""
         assert session.user_id is not None
         if not self.index.games_allowed(session, session.user_id, games, len(session.watching)):
-            return
+            return False
         unchanged = (
             games == session.watching
             and session.watch_version == 1
@@ -336,16 +343,10 @@ class Node:
             self.registry.watch(session.connection_id, games, 1, session.row_ttl)
         if since is not None:
             await self.recovery.recover(session, since)
+        return True
 
     def sync_presence(self, session: Session) -> None:
         self.presence.sync(session)
-
-    def rewrite_rows(self) -> None:
-        """Write every session's row again: the cluster presumed this node dead and
-        deleted them while it was only unreachable."""
-        for session in self.sessions:
-            if session.subscribed:
-                self.registry.put(session.row(self.node_id))
 
     # --- events -------------------------------------------------------------
 
@@ -362,9 +363,8 @@ class Node:
         raises instead (:class:`~server.bus.base.BusDown`, or the streams' error):
         the queue bridge and the notification push then keep the event and retry.
 
-        ``event_id`` names the event (an SQS MessageId, a notification row's
-        sk): published again within 15 minutes, it is not appended or delivered
-        again, and each stream answers the position it took the first time.
+        ``event_id`` names the event (an SQS MessageId, a notification row's sk):
+        a repeat within the id window is not appended again; it answers the first position.
         """
         events_published.inc()
         data = encode_envelope(message)

@@ -51,11 +51,13 @@ class Session:
     """The server's view of one client connection."""
 
     __slots__ = (
+        "acking",
         "binary",
         "close_task",
         "connection_id",
         "credits",
         "deadline",
+        "heartbeat",
         "invisible",
         "kernel_capacity",
         "kind",
@@ -96,6 +98,9 @@ class Session:
         self.positions: dict[str, tuple[str, int]] | None = None
         # Streams being recovered -> live events buffered until the replay is sent.
         self.recovering: dict[str, list[tuple[str, int, Broadcast]]] = {}
+        # The ``ackId`` of the action being handled: its error frames carry it.
+        self.acking: str | None = None
+        self.heartbeat = False  # asked for heartbeat frames in its subscribe
 
     @property
     def subscribed(self) -> bool:
@@ -125,7 +130,8 @@ class Session:
         outbox_limit: int,
         client_msg_id: str | None = None,
     ) -> None:
-        self.send(Frame(ErrorMessage(code, message, client_msg_id)), outbox_limit)
+        error = ErrorMessage(code, message, client_msg_id, self.acking)
+        self.send(Frame(error), outbox_limit)
 
     def close(self, code: CloseCode, reason: str) -> None:
         """Start the closing handshake without waiting for it."""
@@ -177,6 +183,7 @@ class Session:
         if bot and self.watch_version is None:
             self.watch_version = 1
         self.watching = games
+        self.heartbeat = action.heartbeat
         self.row_ttl = ttl_from_now()
         if action.since is not None and self.positions is None:
             self.positions = {}

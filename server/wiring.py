@@ -113,7 +113,7 @@ def _cluster_node(settings: Settings, store: Store) -> Node:
     bus.on_reconnect(node.presence.resync)
     # Events published meanwhile are in the streams' history: fill the holes.
     bus.on_reconnect(node.delivery.check_streams)
-    backend.on_presumed_dead(node.rewrite_rows)
+    backend.on_presumed_dead(lambda: node.registry.rewrite(node.sessions, node.node_id))
     return node
 
 

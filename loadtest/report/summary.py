@@ -112,6 +112,41 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{queue.get('ListenOverflows', 0)} (somaxconn {figs.get('somaxconn')})",
             )
         add("generator CPU", figs["generator_cores"], "cores")
+    if "close_to_recovered_s" in figs:
+        t = figs["close_to_recovered_s"]
+        add("clients x nodes", f"{figs['clients']} x {figs['nodes']}")
+        add(
+            "events accepted / publish failures",
+            f"{figs['accepted_events']} / {figs['publish_failures']}",
+        )
+        add("deliveries expected (client x event)", figs["deliveries_expected"])
+        add(
+            "missed / duplicated / unexpected (handlers)",
+            f"{figs['missed']} / {figs['duplicated']} / {figs['unexpected']}",
+        )
+        add("resyncs", figs["resyncs"] or "none")
+        add("closes seen by clients", figs["close_codes"])
+        add(
+            f"close -> recovered p50/p90/p99/max ({figs['outages']} outages)",
+            f"{_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} / {_fmt(t['max'])}",
+            "s",
+        )
+        for code, c in figs["close_to_recovered_by_first_code_s"].items():
+            add(
+                f"  after a {code}: p50/p99/max ({c['outages']})",
+                f"{_fmt(c['p50'])} / {_fmt(c['p99'])} / {_fmt(c['max'])}",
+                "s",
+            )
+        add(
+            f"accepts in the busiest second per node (--accept-rate {_fmt(figs['accept_rate'])})",
+            figs["accepts_busiest_second"],
+        )
+        add("upgrades refused (503) per node", figs["refused_upgrades"])
+        add("phases", figs["phases_s"])
+        add(
+            "load average before / after",
+            f"{figs['load_average_before']} / {figs['load_average_after']}",
+        )
     if "missed" in figs and "restart" in figs:
         steady, restart = figs["steady"], figs["restart"]
         lat = steady["latency"]

@@ -43,6 +43,7 @@ class HubIndex:
         self.by_game: dict[GameKey, set[Session]] = {}
         self.legacy: set[Session] = set()
         self.presence_watchers: set[Session] = set()
+        self.heartbeats: set[Session] = set()  # sessions that asked for heartbeat frames
         self.games_by_user: dict[str, int] = {}  # watched keys over a user's sessions
         # Stream speakers among a stream's recipients on this node: the rest share
         # one frame per event on the fast path.
@@ -116,6 +117,8 @@ class HubIndex:
             self._add_speaker(user_stream(session.user_id), session)
         if session.wants_presence:
             self.presence_watchers.add(session)
+        if session.heartbeat:
+            self.heartbeats.add(session)
         self.add_games(session)
 
     def remove(self, session: Session) -> None:
@@ -130,6 +133,7 @@ class HubIndex:
                 self._released(stream)
         self._drop_speaker(stream, session)
         self.presence_watchers.discard(session)
+        self.heartbeats.discard(session)
         self.remove_games(session)
 
     def add_games(self, session: Session) -> None:

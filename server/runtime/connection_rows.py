@@ -104,6 +104,13 @@ class ConnectionRegistry:
                     session.row_ttl = ttl_from_now()
                     self.refresh_ttl(session.connection_id, session.row_ttl)
 
+    def rewrite(self, sessions: Iterable[Session], endpoint: str) -> None:
+        """Write every subscribed session's row again: the cluster presumed this node
+        (``endpoint``) dead and deleted them while it was only unreachable."""
+        for session in sessions:
+            if session.subscribed:
+                self.put(session.row(endpoint))
+
     def put(self, record: ConnectionRecord) -> None:
         self._flusher.put(record.connection_id, Put(record))
 

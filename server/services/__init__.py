@@ -32,11 +32,12 @@ class Publish(Protocol):
 
 
 class Watch(Protocol):
-    """A session's new watch set (``Node.watch``), recovering ``since`` if given."""
+    """A session's new watch set (``Node.watch``), recovering ``since`` if given;
+    False when it was refused (the old set stays)."""
 
     async def __call__(
         self, session: Session, games: frozenset[GameKey], since: Since | None = None
-    ) -> None: ...
+    ) -> bool: ...
 
 
 @dataclass(frozen=True)
