@@ -143,7 +143,7 @@ def _dedup(node: Node, settings: Settings) -> Dedup:
         assert isinstance(node.bus, RedisClusterBus)
         return RedisClusterDedup.on_cluster(node.bus)
     if settings.redis_url is not None:
-        from server.bus.redis_bus import make_client
+        from server.redis.client import make_client
 
         return RedisDedup(make_client(settings.redis_url, retries=1))
     return MemoryDedup()
@@ -196,7 +196,7 @@ def _lease(node: Node, settings: Settings, key: str) -> Lease:
 
         assert isinstance(node.bus, RedisClusterBus)
         return RedisLease.on_cluster(node.bus, key, token, lease_ms)
-    from server.bus.redis_bus import make_client
+    from server.redis.client import make_client
 
     assert settings.redis_url is not None
     return RedisLease(make_client(settings.redis_url, retries=1), key, token, lease_ms)

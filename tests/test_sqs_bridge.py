@@ -263,9 +263,9 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
     delete). Its claim expires, the message comes back and the bridge publishes it
     again: the append remembers the MessageId, so clients get each event once."""
     from protocol.parse import parse_broadcast
-    from server.bus.redis_bus import make_client
     from server.coordination.dedup import Claim, RedisDedup
     from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
+    from server.redis.client import make_client
 
     # Names of this test's own: .ci/run shares one Redis between tests, and the
     # offsets asserted below count from the stream's first event.

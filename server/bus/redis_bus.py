@@ -22,16 +22,15 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from server.bus.base import BusDown, MessageHandler
-from server.bus.topics import PRESENCE, PRESENCE_HINTS
+from server.redis.client import RedisUnavailable, make_client
+from server.redis.keys import channel_for
 from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -42,72 +41,12 @@ local_only = REGISTRY.counter(
     "Publishes delivered to this node only, because Redis was unreachable",
 )
 
-PRESENCE_NAMESPACE = "ap:{presence}:"
-"""Every presence key and channel shares the ``{presence}`` hash tag: one Redis
-Cluster slot, so the writer's Lua scripts can touch all of them and publish."""
-
 ReconnectCallback = Callable[[], None]
 """Called on the reader task after a reconnect, before any new message is delivered."""
 
 
-class BusUnavailable(ConnectionError):
-    """Redis could not be reached at start-up within the allowed time."""
-
-
-class SharedBus(Protocol):
-    """What cluster presence needs from a Redis-backed bus (one Redis or a cluster)."""
-
-    url: str
-    sharded: bool
-    """True on a Redis Cluster: scripts publish with SPUBLISH."""
-
-    @property
-    def connected(self) -> bool: ...
-
-    @property
-    def connected_since(self) -> float: ...
-
-    def on_reconnect(self, callback: ReconnectCallback) -> None: ...
-
-    def command_client(self) -> Any:
-        """A new command client (``redis.asyncio.Redis`` or ``RedisCluster``)."""
-
-
-def channel_for(topic: str) -> str:
-    """The Redis channel of a bus topic.
-
-    Presence channels live under the ``{presence}`` hash tag with the presence
-    keys. Every other topic is its own hash tag (``ap:{game:chess#g1}``), so
-    under sharded pub/sub each game is one slot, spread over the shards, and
-    any per-game key added later (``ap:{game:chess#g1}:log``) lands beside it.
-    """
-    if topic == PRESENCE:
-        return PRESENCE_NAMESPACE + "deltas"
-    if topic == PRESENCE_HINTS:
-        return PRESENCE_NAMESPACE + "hints"
-    return "ap:{" + topic + "}"
-
-
-def make_client(
-    url: str, *, retries: int = 1, max_connections: int = 32, client_name: str | None = None
-) -> aioredis.Redis:
-    """A command client that fails fast instead of hanging while Redis is away.
-
-    Callers beyond ``max_connections`` wait for a free connection (up to the
-    socket timeout) rather than fail.
-    """
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=5.0,
-        socket_connect_timeout=2.0,
-        socket_timeout=5.0,
-        health_check_interval=0,
-        retry=Retry(NoBackoff(), retries),
-        client_name=client_name,
-    )
-    client: aioredis.Redis = aioredis.Redis.from_pool(pool)
-    return client
+class BusUnavailable(RedisUnavailable):
+    """The bus's Redis could not be reached at start-up within the allowed time."""
 
 
 class LocalDelivery:

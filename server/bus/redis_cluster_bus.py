@@ -1,6 +1,6 @@
 """Redis Cluster bus: sharded pub/sub, one reader per shard.
 
-Every topic keeps the channel name of :func:`~server.bus.redis_bus.channel_for`;
+Every topic keeps the channel name of :func:`~server.redis.keys.channel_for`;
 its hash tag decides the slot, and so the shard (primary) that carries it.
 ``SPUBLISH`` goes to that shard only, and a node holds one ``SSUBSCRIBE``
 connection per primary that owns a slot it listens to.
@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from collections.abc import Iterable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
@@ -48,18 +46,13 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from server.bus.base import BusDown, MessageHandler
-from server.bus.redis_bus import (
-    BusUnavailable,
-    LocalDelivery,
-    ReconnectCallback,
-    channel_for,
-    make_client,
-)
-from server.redis.shard_pipes import FAILOVER_RETRY_S, ShardPipes
-from server.redis.shard_pipes import retries as failover_retries
+from server.bus.redis_bus import BusUnavailable, LocalDelivery, ReconnectCallback
+from server.redis.client import make_cluster_client, startup_nodes
+from server.redis.keys import channel_for
+from server.redis.shard_pipes import ShardPipes
 from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -67,102 +60,6 @@ log = logging.getLogger(__name__)
 shard_losses = REGISTRY.counter(
     "ap_bus_shard_losses_total", "Times a Redis Cluster shard subscription connection was lost"
 )
-MAX_CONNECTIONS = 64
-"""Per cluster node, for the command clients of the services (presence, chat
-locks, rate limits); redis-py's cluster pool raises instead of waiting when
-it is exhausted."""
-
-
-def startup_nodes(url: str) -> list[ClusterNode]:
-    """Seed nodes from ``redis://h1:p1[,redis://h2:p2...]`` (or bare ``h:p`` entries)."""
-    nodes = []
-    for part in url.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        parsed = urlsplit(part if "://" in part else "redis://" + part)
-        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
-            raise ValueError(f"not a Redis Cluster node URL: {part!r}")
-        nodes.append(ClusterNode(parsed.hostname, parsed.port or 6379))
-    if not nodes:
-        raise ValueError("--redis-cluster-url names no node")
-    return nodes
-
-
-def make_cluster_client(url: str, *, max_connections: int = MAX_CONNECTIONS) -> RedisCluster:
-    """A command client for the cluster that follows MOVED and failovers."""
-    return RedisCluster(
-        startup_nodes=startup_nodes(url),
-        max_connections=max_connections,
-        socket_connect_timeout=1.0,
-        socket_timeout=5.0,
-        health_check_interval=0,
-        retry=Retry(NoBackoff(), 3),
-    )
-
-
-class ShardScript:
-    """A Lua script on a Redis Cluster: ``EVALSHA``, and ``EVAL`` when the shard lacks it.
-
-    redis-py's ``register_script`` answers ``NOSCRIPT`` with ``SCRIPT LOAD`` on
-    every primary; many callers doing that at once (a fresh client, a replica
-    just promoted) broke connections under each other's commands, and the
-    client's retries then ran scripts twice. ``NOSCRIPT`` means the script did
-    not run, so ``EVAL`` (which caches it on that shard) is safe to send.
-    """
-
-    def __init__(self, client: Any, script: str) -> None:
-        self.client = client
-        self.script = script
-        self.sha = hashlib.sha1(script.encode()).hexdigest()
-
-    async def __call__(self, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
-        try:
-            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await self.client.eval(self.script, len(keys), *keys, *args)
-
-
-T = TypeVar("T")
-
-
-async def through_failover(
-    call: Callable[[], Awaitable[T]], deadline: float, closing: Callable[[], bool] = lambda: False
-) -> T:
-    """Run ``call`` on the command client, retrying while a shard fails over,
-    until ``time.monotonic() > deadline``.
-
-    A killed primary refuses connections until its replica is promoted (about
-    ``cluster-node-timeout`` plus an election); redis-py then finds the new
-    owner by itself. Retrying turns the failover into a delay, not a loss. (The
-    streams and the bus use ``ShardPipes``, which retry the same way.)
-    """
-    while True:
-        try:
-            return await call()
-        except (RedisError, OSError, AttributeError, RuntimeError):
-            # redis-py 8.1's cluster client re-reads the slot map after a node
-            # fails and closes connections that other commands are about to
-            # write on ("handler is closed", a None writer): nothing was sent,
-            # so those are retried like a refused connection.
-            if closing() or time.monotonic() + FAILOVER_RETRY_S > deadline:
-                raise
-            failover_retries.inc()
-            await asyncio.sleep(FAILOVER_RETRY_S)
-
-
-def script_for(client: Any, source: str) -> Any:
-    """A callable script (``await script(keys=[...], args=[...])``) on one Redis or a cluster."""
-    if isinstance(client, RedisCluster):
-        return ShardScript(client, source)
-    return client.register_script(source)
-
-
-def command_client_for(url: str, *, cluster: bool) -> Any:
-    """A command client for a service: on a Redis Cluster (``--redis-cluster-url``) or one Redis."""
-    if cluster:
-        return make_cluster_client(url)
-    return make_client(url, retries=1)
 
 
 def _by_slot(channels: Iterable[str]) -> list[list[str]]:

@@ -46,11 +46,12 @@ from redis.crc import key_slot
 from protocol.envelope import encode_positioned
 from protocol.messages import Position
 from protocol.streams import HistoryRead
-from server.bus.redis_bus import channel_for, make_client
 from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.streams import DEFAULT_LIMITS, Append, HistoryAsk, StreamLimits, new_epoch
 from server.presence.scripts import for_bus
+from server.redis.client import make_client
 from server.redis.coalesce import ScriptCoalescer
+from server.redis.keys import channel_for
 from server.redis.shard_pipes import Script, ShardPipes
 
 APPEND = """

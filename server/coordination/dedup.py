@@ -24,11 +24,15 @@ import enum
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis.asyncio as aioredis
 
-from server.bus.redis_cluster_bus import RedisClusterBus, ShardScript, through_failover
+from server.redis.client import through_failover
+from server.redis.scripts import ShardScript
+
+if TYPE_CHECKING:
+    from server.bus.redis_cluster_bus import RedisClusterBus
 
 
 class Claim(enum.Enum):

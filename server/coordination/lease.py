@@ -20,10 +20,14 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from server.bus.redis_cluster_bus import RedisClusterBus, script_for, through_failover
 from server.presence import scripts as cluster_lua
+from server.redis.client import through_failover
+from server.redis.scripts import script_for
+
+if TYPE_CHECKING:
+    from server.bus.redis_cluster_bus import RedisClusterBus
 
 T = TypeVar("T")
 

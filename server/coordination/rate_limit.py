@@ -14,7 +14,8 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from server.bus.redis_cluster_bus import command_client_for, script_for
+from server.redis.client import command_client_for
+from server.redis.scripts import script_for
 
 
 class RateLimiter(Protocol):

@@ -28,18 +28,19 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
 from protocol.envelope import PresenceHint, encode_envelope
 from protocol.messages import PresenceDelta
-from server.bus.redis_bus import PRESENCE_NAMESPACE, BusUnavailable, SharedBus, channel_for
-from server.bus.redis_cluster_bus import ShardScript
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.config import Settings
 from server.presence import scripts as cluster_lua
 from server.presence.core import Changes, CommittedPresence, Member, UserStates, apply_changes
+from server.redis.client import RedisUnavailable
+from server.redis.keys import PRESENCE_NAMESPACE, channel_for
+from server.redis.scripts import ShardScript
 from server.runtime.metrics import REGISTRY
 from server.store.base import Store
 
@@ -58,6 +59,25 @@ TOMBSTONE_MS = 3_600_000
 START_TIMEOUT = 30.0
 
 ALIVE, UNKNOWN, PRESUMED_DEAD = 0, 1, 2
+
+
+class SharedBus(Protocol):
+    """What cluster presence needs from a Redis-backed bus (one Redis or a cluster)."""
+
+    url: str
+    sharded: bool
+    """True on a Redis Cluster: scripts publish with SPUBLISH."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def connected_since(self) -> float: ...
+
+    def on_reconnect(self, callback: Callable[[], None]) -> None: ...
+
+    def command_client(self) -> Any:
+        """A new command client (``redis.asyncio.Redis`` or ``RedisCluster``)."""
 
 
 def lease_ms_for(heartbeat_ms: int) -> int:
@@ -169,7 +189,9 @@ class RedisPresenceBackend:
                 break
             except (RedisError, OSError) as exc:
                 if time.monotonic() > deadline:
-                    raise BusUnavailable(f"Redis at {self._bus.url} is unreachable: {exc}") from exc
+                    raise RedisUnavailable(
+                        f"Redis at {self._bus.url} is unreachable: {exc}"
+                    ) from exc
                 log.warning("waiting for Redis at %s: %s", self._bus.url, exc)
                 await asyncio.sleep(1.0)
         self._task = asyncio.create_task(self._maintain(), name="cluster-heartbeat")

@@ -15,10 +15,11 @@ from redis.crc import key_slot
 
 from loadtest.harness.redis_cluster import RedisCluster
 from protocol.envelope import decode_positioned
-from server.bus.redis_bus import channel_for
-from server.bus.redis_cluster_bus import RedisClusterBus, make_cluster_client
+from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.redis_streams import RedisStreams
 from server.bus.topics import ALL_GAMES
+from server.redis.client import make_cluster_client
+from server.redis.keys import channel_for
 from server.redis.shard_pipes import ShardPipes
 from server.runtime.metrics import REGISTRY
 from tests.cluster.harness import eventually
