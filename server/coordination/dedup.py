@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import redis.asyncio as aioredis
 
 from server.redis.client import through_failover
-from server.redis.scripts import ShardScript
+from server.redis.scripts import ShardScript, lua
 
 if TYPE_CHECKING:
     from server.bus.redis_cluster_bus import RedisClusterBus
@@ -123,23 +123,8 @@ class MemoryDedup:
         self._entries.clear()
 
 
-_CLAIM = """
--- KEYS: the key.  ARGV: pending value, pending ttl ms.
--- 1 claimed (or already ours: extended), 0 done, -1 claimed by another.
-local value = redis.call('GET', KEYS[1])
-if not value or value == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-if value == 'd' then return 0 end
-return -1
-"""
-
-_RELEASE = """
--- KEYS: the key.  ARGV: pending value.
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+_CLAIM = lua("server.coordination", "dedup_claim")
+_RELEASE = lua("server.coordination", "release")
 
 _CLAIM_RESULTS = {1: Claim.CLAIMED, 0: Claim.DONE, -1: Claim.BUSY}
 

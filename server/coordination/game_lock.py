@@ -28,7 +28,7 @@ from typing import Protocol
 from redis.exceptions import RedisError
 
 from server.redis.client import command_client_for
-from server.redis.scripts import script_for
+from server.redis.scripts import lua, script_for
 from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -122,17 +122,8 @@ class MemoryGameLocks:
         return None
 
 
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-_EXTEND = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
+_RELEASE = lua("server.coordination", "release")
+_EXTEND = lua("server.coordination", "lock_extend")
 
 
 def lock_key(key: str) -> str:

@@ -40,7 +40,7 @@ from server.presence import scripts as cluster_lua
 from server.presence.core import Changes, CommittedPresence, Member, UserStates, apply_changes
 from server.redis.client import RedisUnavailable
 from server.redis.keys import PRESENCE_NAMESPACE, channel_for
-from server.redis.scripts import ShardScript
+from server.redis.scripts import ShardScript, for_bus
 from server.runtime.metrics import REGISTRY
 from server.store.base import Store
 
@@ -140,7 +140,7 @@ class RedisPresenceBackend:
         self._deltas = channel_for(PRESENCE)
 
         def script(source: str) -> Any:
-            source = cluster_lua.for_bus(source, sharded=bus.sharded)
+            source = for_bus(source, sharded=bus.sharded)
             if bus.sharded:
                 return ShardScript(self._client, source)
             return self._client.register_script(source)
