@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -31,6 +30,7 @@ from redis.exceptions import RedisError
 from server.bus.base import BusDown, MessageHandler
 from server.redis.client import RedisUnavailable, make_client
 from server.redis.keys import channel_for
+from server.runtime.backoff import Backoff
 from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -242,12 +242,12 @@ class RedisBus(LocalDelivery):
     # --- the reader ---------------------------------------------------------
 
     async def _run(self) -> None:
-        failures = 0
+        retrying = Backoff(first=0.1, cap=self._max_backoff).start()
         while not self._closing:
             pubsub = self._sub_client.pubsub()
             try:
                 backlog = await self._attach(pubsub)
-                failures = 0
+                retrying.reset()
                 if self._ever_attached:
                     reconnects.inc()
                     self._reconnected_at = self._connected_since
@@ -262,15 +262,13 @@ class RedisBus(LocalDelivery):
                     self._dispatch(message)
                 await self._read(pubsub)
             except Exception as exc:  # any failure means: start over on a fresh connection
-                if failures == 0:
+                if retrying.failures == 0:
                     log.warning("Redis bus connection lost: %s", exc or type(exc).__name__)
             finally:
                 self._detach()
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
-            failures += 1
-            delay = min(self._max_backoff, 0.05 * 2 ** min(failures, 10))
-            await asyncio.sleep(random.uniform(delay / 2, delay))
+            await retrying.wait()
 
     async def _attach(self, pubsub: PubSub) -> list[dict[str, Any]]:
         """Subscribe every topic on a fresh connection; return messages read meanwhile."""

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import uuid
 from collections import defaultdict
@@ -53,6 +52,7 @@ from server.bus.redis_bus import BusUnavailable, LocalDelivery, ReconnectCallbac
 from server.redis.client import make_cluster_client, startup_nodes
 from server.redis.keys import channel_for
 from server.redis.shard_pipes import ShardPipes
+from server.runtime.backoff import Backoff
 from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -471,7 +471,7 @@ class RedisClusterBus(LocalDelivery):
 
     async def _repair_loop(self, *, first: bool) -> None:
         """Refresh the slot map and resubscribe until every channel has a live owner."""
-        failures = 0
+        retrying = Backoff(first=0.1, cap=self._max_backoff).start()
         while not self._closing:
             try:
                 async with self._lock:
@@ -502,15 +502,13 @@ class RedisClusterBus(LocalDelivery):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                failures += 1
-                if failures == 1:
+                if retrying.failures == 0:
                     log.warning("Redis Cluster bus not ready yet: %s", exc or type(exc).__name__)
                 # Drop shards that did not attach, so the next pass starts clean.
                 for shard in list(self._shards.values()):
                     if not shard.attached:
                         await self._drop(shard)
-            delay = min(self._max_backoff, 0.05 * 2 ** min(failures, 10))
-            await asyncio.sleep(random.uniform(delay / 2, delay))
+            await retrying.wait()
 
     # --- delivery -----------------------------------------------------------
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +28,7 @@ from redis.exceptions import RedisError
 
 from server.redis.client import command_client_for
 from server.redis.scripts import lua, script_for
+from server.runtime.backoff import Backoff
 from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ LEASE_MS = 10_000
 
 WAIT_SECONDS = 20.0
 """Longest wait for a game's lock before the post is refused as ``unavailable``."""
+
+ACQUIRE_BACKOFF = Backoff(first=0.002, cap=0.02)
+"""Between two tries at a game's lease held by another node: a chat post is short."""
 
 
 class LockUnavailable(Exception):
@@ -200,18 +203,16 @@ class RedisGameLocks:
                     log.warning("could not release %s (it expires by itself): %s", name, exc)
 
     async def _acquire(self, name: str, token: str, deadline: float) -> None:
-        pause = 0.002
+        retrying = ACQUIRE_BACKOFF.start(deadline=deadline)
         while True:
             try:
                 if await self._client.set(name, token, nx=True, px=self._lease_ms):
                     return
             except (RedisError, OSError) as exc:
                 raise LockUnavailable(f"Redis refused the chat lock: {exc}") from exc
-            if time.monotonic() >= deadline:
+            if not await retrying.wait():
                 lock_timeouts.inc()
                 raise LockUnavailable("the game is busy; try again")
-            await asyncio.sleep(random.uniform(pause / 2, pause))
-            pause = min(pause * 2, 0.02)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -28,11 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aioboto3
@@ -43,6 +42,7 @@ from protocol.messages import Broadcast
 from protocol.parse import parse_broadcast
 from server.coordination.dedup import Claim, Dedup
 from server.node import Node
+from server.runtime.backoff import Backoff, Retrying
 from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -55,9 +55,9 @@ DEDUP_SECONDS = 900.0
 far longer than the visibility timeout after which a message could come back."""
 BUSY_RETRY_SECONDS = 5
 """A message another consumer is publishing comes back this much later (then reads done)."""
-BACKOFF_BASE_SECONDS = 0.2
-BACKOFF_CAP_SECONDS = 5.0
-DELETE_ATTEMPTS = 3
+BACKOFF = Backoff(first=0.4, cap=5.0)
+"""Pollers of many nodes do not retry in step."""
+DELETE_BACKOFF = replace(BACKOFF, attempts=3)
 STOP_GRACE_SECONDS = 5.0
 BUS_SETTLE_SECONDS = 3.0
 """After the bus reconnects, wait this long before publishing again: the other nodes'
@@ -81,12 +81,6 @@ handed_back = REGISTRY.counter(
 errors = REGISTRY.counter(
     "ap_sqs_errors_total", "Failed calls to SQS or to the dedup store (then backed off)"
 )
-
-
-def backoff_delay(failures: int) -> float:
-    """Jittered exponential backoff: pollers of many nodes do not retry in step."""
-    ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** min(failures, 10))
-    return random.uniform(ceiling / 2, ceiling)
 
 
 @dataclass
@@ -207,12 +201,11 @@ class SqsBridge:
     async def _poll(self, index: int) -> None:
         task = asyncio.current_task()
         assert task is not None
-        failures = 0
+        retrying = BACKOFF.start()
         while not self._stopping:
             if not self._bus_settled():
                 # Nothing could be published to every node: leave the messages in the queue.
-                failures += 1
-                await self._pause(failures, "the bus is down or just reconnected")
+                await self._pause(retrying, "the bus is down or just reconnected")
                 continue
             self._receiving.add(task)
             try:
@@ -229,8 +222,7 @@ class SqsBridge:
                 raise
             except Exception as exc:
                 errors.inc()
-                failures += 1
-                await self._pause(failures, f"ReceiveMessage failed: {exc}")
+                await self._pause(retrying, f"ReceiveMessage failed: {exc}")
                 continue
             finally:
                 self._receiving.discard(task)
@@ -240,7 +232,7 @@ class SqsBridge:
             ]
             self._note_lag(index, batch)
             if not batch:
-                failures = 0
+                retrying.reset()
                 continue
             try:
                 ok = await self._handle(batch)
@@ -249,10 +241,9 @@ class SqsBridge:
                 log.exception("queue bridge: a batch failed")
                 ok = False
             if ok:
-                failures = 0
+                retrying.reset()
             else:
-                failures += 1
-                await self._pause(failures, "publishing failed; messages handed back")
+                await self._pause(retrying, "publishing failed; messages handed back")
 
     def _bus_settled(self) -> bool:
         bus = self._node.bus
@@ -261,9 +252,10 @@ class SqsBridge:
         since: float | None = getattr(bus, "reconnected_at", None)  # the Redis bus only
         return since is None or time.monotonic() - since >= self._settle
 
-    async def _pause(self, failures: int, reason: str) -> None:
-        delay = backoff_delay(failures)
-        if failures == 1 or failures % 10 == 0:
+    async def _pause(self, retrying: Retrying, reason: str) -> None:
+        delay = retrying.next_delay()
+        assert delay is not None  # no limit, no deadline: the poller retries for ever
+        if retrying.failures == 1 or retrying.failures % 10 == 0:
             log.warning("queue bridge: %s; retrying in %.2fs", reason, delay)
         await asyncio.sleep(delay)
 
@@ -358,9 +350,10 @@ class SqsBridge:
     async def _delete(self, messages: Sequence[_Received]) -> None:
         """DeleteMessageBatch, retried; a message left behind comes back and reads done."""
         pending = list(messages)
-        for attempt in range(1, DELETE_ATTEMPTS + 1):
-            if not pending:
-                return
+        if not pending:
+            return
+        retrying = DELETE_BACKOFF.start()
+        while True:
             entries = [{"Id": str(i), "ReceiptHandle": m.receipt} for i, m in enumerate(pending)]
             try:
                 response = await self._client.delete_message_batch(
@@ -375,8 +368,8 @@ class SqsBridge:
                 reason = f"{len(failed)} entries failed"
                 if not pending:
                     return
-            if attempt < DELETE_ATTEMPTS:
-                await asyncio.sleep(backoff_delay(attempt))
+            if not await retrying.wait():
+                break
         log.warning(
             "queue bridge: %d published messages not deleted (%s); they will come back "
             "and be deleted as duplicates",
@@ -387,7 +380,7 @@ class SqsBridge:
     async def _hand_back(self, messages: Sequence[_Received], seconds: int | None) -> None:
         """Make unpublished messages visible again soon, rather than after the timeout."""
         handed_back.inc(len(messages))
-        delay = seconds if seconds is not None else max(1, round(backoff_delay(3)))
+        delay = seconds if seconds is not None else max(1, round(BACKOFF.delay(3)))
         entries = [
             {"Id": str(i), "ReceiptHandle": m.receipt, "VisibilityTimeout": delay}
             for i, m in enumerate(messages)

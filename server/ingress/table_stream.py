@@ -29,7 +29,6 @@ import contextlib
 import datetime
 import enum
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from server.coordination.lease import Lease, LeaseState
+from server.runtime.backoff import Backoff
 from server.runtime.metrics import REGISTRY
 from server.store.base import Fenced, ShardCheckpoint, Store, StreamReaderState
 
@@ -55,7 +55,8 @@ REDISCOVER_SECONDS = 5.0
 """How often shards are listed again (DescribeStream allows 10 calls/s per account)."""
 IDLE_CHECKPOINT_SECONDS = 10.0
 RENEW_SECONDS = 1.0
-BACKOFF_CAP_SECONDS = 5.0
+BACKOFF = Backoff(first=0.4, cap=5.0)
+"""Between two tries of a failed read or delivery."""
 
 records_read = REGISTRY.counter("ap_stream_records_total", "Table stream records read")
 checkpoints_written = REGISTRY.counter(
@@ -302,7 +303,7 @@ class TableStreamReader:
     # --- one term of reading -------------------------------------------------
 
     async def _read(self) -> None:
-        failures = 0
+        retrying = BACKOFF.start()
         while True:
             try:
                 await self._read_term()
@@ -313,8 +314,8 @@ class TableStreamReader:
                 return
             except Exception as exc:
                 reader_failures.inc()
-                failures += 1
-                delay = _backoff(failures)
+                delay = retrying.next_delay()
+                assert delay is not None  # no limit: the reader retries while it holds the lease
                 log.warning("stream reader failed (%s); again in %.1fs", exc, delay)
                 self.reading = False
                 await asyncio.sleep(delay)
@@ -367,7 +368,7 @@ class TableStreamReader:
                             # Re-planned from its checkpoint on the next round.
                             reader_failures.inc()
                             log.warning("stream reader: shard %s failed: %s", shard_id, error)
-                            await asyncio.sleep(_backoff(1))
+                            await asyncio.sleep(BACKOFF.delay(1))
         finally:
             self.reading = False
             self.positioned.clear()
@@ -467,7 +468,7 @@ class TableStreamReader:
 
     async def _deliver(self, records: Sequence[Record]) -> int:
         """Hand a batch on until it is taken; nothing after it is read meanwhile."""
-        failures = 0
+        retrying = BACKOFF.start()
         while True:
             self._check_lease()
             try:
@@ -476,13 +477,8 @@ class TableStreamReader:
                 raise
             except Exception as exc:
                 reader_failures.inc()
-                failures += 1
-                delay = _backoff(failures)
-                if failures == 1 or failures % 10 == 0:
+                delay = retrying.next_delay()
+                assert delay is not None  # no limit: the lease check above ends it
+                if retrying.failures == 1 or retrying.failures % 10 == 0:
                     log.warning("stream reader: delivery failed (%s); again in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
-
-
-def _backoff(failures: int) -> float:
-    ceiling = min(BACKOFF_CAP_SECONDS, 0.2 * 2 ** min(failures, 10))
-    return random.uniform(ceiling / 2, ceiling)

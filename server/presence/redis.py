@@ -41,6 +41,7 @@ from server.presence.core import Changes, CommittedPresence, Member, UserStates,
 from server.redis.client import RedisUnavailable
 from server.redis.keys import PRESENCE_NAMESPACE, channel_for
 from server.redis.scripts import ShardScript, for_bus
+from server.runtime.backoff import Backoff
 from server.runtime.metrics import REGISTRY
 from server.store.base import Store
 
@@ -57,6 +58,8 @@ WRITER_RENEW_SECONDS = 1.0
 """How often the presence writer renews its lease (PresenceWriter's default)."""
 TOMBSTONE_MS = 3_600_000
 START_TIMEOUT = 30.0
+START_BACKOFF = Backoff(first=1.0, cap=1.0, jitter=0.0)
+"""Registering at start-up is tried once a second until ``START_TIMEOUT``."""
 
 ALIVE, UNKNOWN, PRESUMED_DEAD = 0, 1, 2
 
@@ -182,18 +185,19 @@ class RedisPresenceBackend:
 
     async def start(self) -> None:
         """Register this node (dropping what an earlier run left) and start heartbeating."""
-        deadline = time.monotonic() + START_TIMEOUT
+        retrying = START_BACKOFF.start(deadline=time.monotonic() + START_TIMEOUT)
         while True:
             try:
                 await self._register()
                 break
             except (RedisError, OSError) as exc:
-                if time.monotonic() > deadline:
+                delay = retrying.next_delay()
+                if delay is None:
                     raise RedisUnavailable(
                         f"Redis at {self._bus.url} is unreachable: {exc}"
                     ) from exc
                 log.warning("waiting for Redis at %s: %s", self._bus.url, exc)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(delay)
         self._task = asyncio.create_task(self._maintain(), name="cluster-heartbeat")
 
     async def close(self) -> None:

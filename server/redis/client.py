@@ -8,7 +8,6 @@ same way instead of hanging while Redis is away.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -19,8 +18,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from server.redis.shard_pipes import FAILOVER_RETRY_S
+from server.redis.shard_pipes import FAILOVER_BACKOFF
 from server.redis.shard_pipes import retries as failover_retries
+from server.runtime.backoff import Retrying
 
 T = TypeVar("T")
 
@@ -95,13 +95,14 @@ async def through_failover(
     call: Callable[[], Awaitable[T]], deadline: float, closing: Callable[[], bool] = lambda: False
 ) -> T:
     """Run ``call`` on the command client, retrying while a shard fails over,
-    until ``time.monotonic() > deadline``.
+    until ``deadline`` (``time.monotonic()``).
 
     A killed primary refuses connections until its replica is promoted (about
     ``cluster-node-timeout`` plus an election); redis-py then finds the new
     owner by itself. Retrying turns the failover into a delay, not a loss. (The
     streams and the bus use ``ShardPipes``, which retry the same way.)
     """
+    retrying: Retrying | None = None
     while True:
         try:
             return await call()
@@ -110,7 +111,10 @@ async def through_failover(
             # fails and closes connections that other commands are about to
             # write on ("handler is closed", a None writer): nothing was sent,
             # so those are retried like a refused connection.
-            if closing() or time.monotonic() + FAILOVER_RETRY_S > deadline:
+            if retrying is None:
+                retrying = FAILOVER_BACKOFF.start(deadline=deadline)
+            delay = None if closing() else retrying.next_delay()
+            if delay is None:
                 raise
             failover_retries.inc()
-            await asyncio.sleep(FAILOVER_RETRY_S)
+            await asyncio.sleep(delay)

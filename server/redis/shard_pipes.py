@@ -17,7 +17,7 @@ Errors are handled the way ``RedisCluster`` would, explicitly:
   command on the target, back to back on its connection;
 - ``TRYAGAIN``/``CLUSTERDOWN``, or a lost or refused connection (a primary
   killed, its replica not promoted yet): re-read the slot map and resend every
-  ``FAILOVER_RETRY_S`` until the deadline.
+  ``FAILOVER_RETRY_S`` until the deadline (``FAILOVER_BACKOFF``).
 
 A command whose connection died after it was written may have run; it is
 resent like the one ``RedisCluster`` (and ``through_failover``) would resend.
@@ -53,11 +53,14 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from server.runtime.backoff import Backoff, Retrying
 from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
 FAILOVER_RETRY_S = 0.1
+FAILOVER_BACKOFF = Backoff(first=FAILOVER_RETRY_S, cap=FAILOVER_RETRY_S, jitter=0.0)
+"""A failover is polled at a steady pace: the promotion's end is what matters, not load."""
 STALL_TIMEOUT_S = 5.0
 """A connection with commands outstanding and no reply for this long is dead."""
 
@@ -240,7 +243,8 @@ class ShardPipes:
 
     async def execute(self, slot: int, args: tuple[Any, ...], deadline: float) -> Any:
         """Run one command on the primary of ``slot``, through redirects and failovers
-        until ``time.monotonic() > deadline``."""
+        until ``deadline`` (``time.monotonic()``)."""
+        retrying: Retrying | None = None
         while True:
             try:
                 return await self._pipe_for(slot).submit(args)[0]
@@ -259,13 +263,23 @@ class ShardPipes:
                     error = transient
             except _TRANSIENT as exc:
                 error = exc
-            if self._closing or time.monotonic() + FAILOVER_RETRY_S > deadline:
+            if self._closing:
+                raise error
+            if isinstance(error, MovedError):
+                # The map is right again: resend at once, while there is time.
+                if time.monotonic() >= deadline:
+                    raise error
+                retries.inc()
+                continue
+            if retrying is None:
+                retrying = FAILOVER_BACKOFF.start(deadline=deadline)
+            delay = retrying.next_delay()
+            if delay is None:
                 raise error
             retries.inc()
-            if not isinstance(error, MovedError):
-                await asyncio.sleep(FAILOVER_RETRY_S)
-                with contextlib.suppress(RedisError, RedisClusterException, OSError):
-                    await self._cluster.nodes_manager.initialize()
+            await asyncio.sleep(delay)
+            with contextlib.suppress(RedisError, RedisClusterException, OSError):
+                await self._cluster.nodes_manager.initialize()
 
     async def script(
         self, slot: int, script: Script, keys: Sequence[Any], args: Sequence[Any], deadline: float

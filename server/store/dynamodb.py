@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import aioboto3
@@ -23,6 +23,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from server.runtime.backoff import Backoff
 from server.runtime.metrics import REGISTRY
 from server.store import keys
 from server.store.base import (
@@ -51,8 +52,8 @@ MAX_ATTEMPTS = 8
 START_ATTEMPTS = 2
 """Attempts of the reachability check in ``start()``: a wrong endpoint fails fast."""
 
-BACKOFF_BASE_SECONDS = 0.05
-BACKOFF_CAP_SECONDS = 2.0
+BACKOFF = Backoff(first=0.05, cap=2.0)
+"""Between two attempts of one request (or two rounds of unprocessed items)."""
 
 CONNECT_TIMEOUT_SECONDS = 2.0
 READ_TIMEOUT_SECONDS = 5.0
@@ -108,12 +109,6 @@ def _where(endpoint_url: str | None, region: str) -> str:
     return endpoint_url if endpoint_url else f"AWS DynamoDB in {region}"
 
 
-def backoff_delay(attempt: int) -> float:
-    """Seconds to wait before retry number ``attempt`` (1-based): jittered, capped."""
-    ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** (attempt - 1))
-    return random.uniform(ceiling / 2, ceiling)
-
-
 def error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
@@ -145,7 +140,8 @@ async def call_with_retry(
     caller to handle; every other failure becomes StoreUnavailable.
     """
     method = getattr(client, operation)
-    for attempt in range(1, attempts + 1):
+    retrying = replace(BACKOFF, attempts=attempts).start()
+    while True:
         try:
             response: dict[str, Any] = await method(**params)
             return response
@@ -172,13 +168,13 @@ async def call_with_retry(
                 f"DynamoDB {operation} on table {table!r} at {where} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        if attempt == attempts:
+        delay = retrying.next_delay()
+        if delay is None:
             FAILURES.inc()
             raise StoreUnavailable(
                 f"DynamoDB {operation} on table {table!r} at {where} failed after "
                 f"{attempts} attempts: {reason}"
             ) from last
-        delay = backoff_delay(attempt)
         RETRIES.inc()
         log.warning(
             "DynamoDB %s on %r at %s: %s; retry %d/%d in %.2fs",
@@ -186,12 +182,11 @@ async def call_with_retry(
             table,
             where,
             reason,
-            attempt,
+            retrying.failures,
             attempts - 1,
             delay,
         )
         await asyncio.sleep(delay)
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _chunks(items: Sequence[dict[str, Any]], size: int) -> Iterable[list[dict[str, Any]]]:
@@ -328,7 +323,7 @@ class DynamoStore(GameRecordsMixin):
     async def _write_chunk(self, chunk: list[dict[str, Any]]) -> None:
         """One BatchWriteItem, then its UnprocessedItems again until none are left."""
         pending = chunk
-        stalled = 0
+        stalled = replace(BACKOFF, attempts=self._max_attempts).start()
         while pending:
             response = await self._call("batch_write_item", RequestItems={self.table: pending})
             unprocessed: list[dict[str, Any]] = response.get("UnprocessedItems", {}).get(
@@ -337,14 +332,15 @@ class DynamoStore(GameRecordsMixin):
             if not unprocessed:
                 return
             UNPROCESSED.inc(len(unprocessed))
-            stalled = stalled + 1 if len(unprocessed) >= len(pending) else 1
-            if stalled >= self._max_attempts:
+            if len(unprocessed) < len(pending):
+                stalled.reset()  # progress: only rounds without any count
+            delay = stalled.next_delay()
+            if delay is None:
                 FAILURES.inc()
                 raise StoreUnavailable(
                     f"DynamoDB batch_write_item on table {self.table!r} at {self._where}: "
-                    f"{len(unprocessed)} items still unprocessed after {stalled} rounds"
+                    f"{len(unprocessed)} items still unprocessed after {stalled.failures} rounds"
                 )
-            delay = backoff_delay(stalled)
             RETRIES.inc()
             log.warning(
                 "DynamoDB batch_write_item on %r: %d of %d items unprocessed; retry in %.2fs",
