@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
@@ -36,6 +35,7 @@ from protocol.envelope import PresenceHint, encode_envelope
 from protocol.messages import PresenceDelta
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.config import Settings
+from server.coordination.lease import LeaseState, RedisLease, new_token
 from server.presence import scripts as cluster_lua
 from server.presence.core import Changes, CommittedPresence, Member, UserStates, apply_changes
 from server.redis.client import RedisUnavailable
@@ -122,9 +122,7 @@ class RedisPresenceBackend:
         # A client of its own: presence keeps working while the bus closes, and
         # a burst of game events never queues in front of a heartbeat.
         self._client = bus.command_client()
-        self._token = f"{node_id}/{uuid.uuid4().hex}"
         self._leading = False
-        self._lead_until = 0.0
         self._mine: UserStates = {}  # what this node has reported, to re-register
         self._write_lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -136,7 +134,6 @@ class RedisPresenceBackend:
         self._node_key = ns + "node:" + node_id
         self._tombstone = ns + "dead:" + node_id
         self._purge_key = ns + "purge"
-        self._leader = ns + "leader"
         self._seq = ns + "seq"
         self._committed = ns + "committed"
         self._hints = channel_for(PRESENCE_HINTS)
@@ -156,9 +153,11 @@ class RedisPresenceBackend:
         self._online_script = script(cluster_lua.ONLINE)
         self._read_script = script(cluster_lua.READ_COMMITTED)
         self._init_script = script(cluster_lua.INIT_COMMITTED)
-        self._lead_script = script(cluster_lua.LEAD)
-        self._release_script = script(cluster_lua.RELEASE)
         self._commit_script = script(cluster_lua.COMMIT)
+        # The writer lease; COMMIT checks its token in the same step (fencing).
+        self._lease = RedisLease(
+            self._client, ns + "leader", new_token(node_id), self._lease_ms, owns_client=False
+        )
         bus.on_reconnect(self._wake.set)
 
     @classmethod
@@ -211,7 +210,7 @@ class RedisPresenceBackend:
         if joined:  # else start-up failed or was cancelled: there is nothing to leave
             try:
                 async with asyncio.timeout(3):
-                    await self._release_script(keys=[self._leader], args=[self._token])
+                    await self._lease.release()
                     await self._deregister_script(
                         keys=[self._nodes, self._node_key], args=[self._node_id, self._hints]
                     )
@@ -258,7 +257,7 @@ class RedisPresenceBackend:
     async def commit(self, delta: PresenceDelta, changes: Changes) -> bool:
         leaves = set(delta.leaves)
         args: list[Any] = [
-            self._token,
+            self._lease.token,
             delta.seq,
             delta.total_count,
             self._deltas,
@@ -267,7 +266,7 @@ class RedisPresenceBackend:
         for user, state in changes.items():
             args += [user, _state(state), "1" if user in leaves else "0"]
         result = await self._commit_script(
-            keys=[self._leader, self._seq, self._committed], args=args
+            keys=[self._lease.key, self._seq, self._committed], args=args
         )
         if result == 1:
             return True
@@ -281,20 +280,17 @@ class RedisPresenceBackend:
 
     async def lead(self) -> bool:
         try:
-            args: list[Any] = [self._token, self._lease_ms]
-            result = await self._lead_script(keys=[self._leader], args=args)
+            state = await self._lease.renew()
         except BaseException:
             self._leading = False
             raise
-        if result == 2 and self._leading:
+        if state is LeaseState.ACQUIRED and self._leading:
             # The lease lapsed while held (a Redis restart, a long pause): give
             # the role up for one round so the writer reloads the committed state.
             log.warning("presence lease lapsed while held; reloading before writing again")
             self._leading = False
             return False
-        self._leading = result in (1, 2)
-        if self._leading:
-            self._lead_until = time.monotonic() + self._lease_ms / 1000
+        self._leading = state is not LeaseState.LOST
         return self._leading
 
     async def members(self) -> list[Member]:
@@ -303,7 +299,7 @@ class RedisPresenceBackend:
         beats: list[tuple[bytes, float]] = await self._client.zrange(
             self._nodes, 0, -1, withscores=True
         )
-        leader = await self._client.get(self._leader)
+        leader = await self._client.get(self._lease.key)
         writer = _text(leader).split("/", 1)[0] if leader is not None else None
         pipe = self._client.pipeline(transaction=False)
         for raw, _ in beats:
@@ -365,7 +361,7 @@ class RedisPresenceBackend:
         now = time.monotonic()
         return (
             self._leading
-            and now < self._lead_until
+            and now < self._lease.valid_until
             and self._bus.connected
             # After an outage every heartbeat is old: give all nodes time to return.
             and now - self._bus.connected_since >= self._timeout_ms / 1000

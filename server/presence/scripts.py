@@ -6,7 +6,9 @@ same tag, so on a cluster the script publishes with ``SPUBLISH`` on the shard
 that runs it (:func:`~server.redis.scripts.for_bus`). Times come from Redis
 ``TIME``, never from a node's clock. Hints built here are the msgpack envelopes
 of :mod:`protocol.envelope` (``{"v": 1, "k": "hint", "node": id, "users": [...]}``).
-The sources are in ``server/presence/lua/``; ``docs/lua.md`` lists them.
+The sources are in ``server/presence/lua/``; ``docs/lua.md`` lists them. The
+writer lease is :class:`~server.coordination.lease.RedisLease`, whose token
+``COMMIT`` checks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,4 @@ SWEEP = _script("prelude", "sweep")
 ONLINE = _script("online")
 READ_COMMITTED = _script("read_committed")
 INIT_COMMITTED = _script("init_committed")
-LEAD = _script("lead")
-RELEASE = _script("release")
 COMMIT = _script("commit")

@@ -1,5 +1,6 @@
--- Acquire or renew the writer lease.  KEYS: leader.  ARGV: token, lease ms
--- 1 renewed, 2 newly acquired, 0 held by another node.
+-- Take a lease if nobody holds it, or renew it if the caller does.
+-- KEYS: the lease.  ARGV: the caller's token, lease ms.
+-- 1 renewed, 2 newly acquired, 0 held by another.
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
