@@ -40,7 +40,7 @@ from server.ingress.http import build_app
 from server.node import Coordination, Node
 from server.presence.core import MemoryPresenceBackend, PresenceBackend
 from server.runtime import logs
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry, register_process
 from server.runtime.pauses import PauseWatch
 from server.runtime.reclaim import Reclaimer
 from server.runtime.token_bucket import TokenBucket
@@ -52,42 +52,47 @@ log = logging.getLogger("ap_realtime")
 
 T = TypeVar("T")
 
-bad_frames = REGISTRY.counter("ap_client_errors_total", "Client frames answered with an error")
 
-
-def build_authenticator(settings: Settings) -> Authenticator:
+def build_authenticator(settings: Settings, metrics: Registry | None = None) -> Authenticator:
     cognito = None
     if settings.cognito_issuer is not None and settings.cognito_client_id is not None:
         cognito = CognitoVerifier(
             settings.cognito_issuer,
             settings.cognito_client_id,
-            jwks_source(settings.cognito_issuer, settings.jwks_file),
+            jwks_source(settings.cognito_issuer, settings.jwks_file, metrics),
         )
     bot = None
     if settings.bot_cognito_issuer is not None and settings.bot_scope is not None:
         bot = BotVerifier(
             settings.bot_cognito_issuer,
             settings.bot_scope,
-            jwks_source(settings.bot_cognito_issuer, settings.bot_jwks_file),
+            jwks_source(settings.bot_cognito_issuer, settings.bot_jwks_file, metrics),
         )
     dev = DevVerifier(settings.dev_jwt_secret) if settings.dev_jwt_secret else None
-    return Authenticator(cognito=cognito, dev=dev, bot=bot, cache_size=settings.token_cache_size)
+    return Authenticator(
+        cognito=cognito, dev=dev, bot=bot, cache_size=settings.token_cache_size, metrics=metrics
+    )
 
 
-def build_store(settings: Settings) -> Store:
+def build_store(settings: Settings, metrics: Registry | None = None) -> Store:
     if settings.store == "dynamodb":
         from server.store.dynamodb import DynamoStore
 
         return DynamoStore(
-            table=settings.table, region=settings.region, endpoint_url=settings.dynamodb_endpoint
+            table=settings.table,
+            region=settings.region,
+            endpoint_url=settings.dynamodb_endpoint,
+            metrics=metrics,
         )
     return MemoryStore()
 
 
 async def build_node(settings: Settings, store: Store | None = None) -> Node:
     """A node ready to ``start()``: memory parts by default, shared ones when configured."""
+    metrics = Registry()  # the node's own: every part built here counts on it
+    register_process(metrics)
     if store is None:
-        store = build_store(settings)
+        store = build_store(settings, metrics)
     bus: Bus
     backend: PresenceBackend
     if settings.clustered:
@@ -98,21 +103,24 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
 
         redis_bus: RedisBus | RedisClusterBus
         if settings.redis_cluster_url is not None:
-            redis_bus = RedisClusterBus(settings.redis_cluster_url, name=settings.node_id)
+            redis_bus = RedisClusterBus(
+                settings.redis_cluster_url, name=settings.node_id, metrics=metrics
+            )
             streams = RedisStreams.on_cluster(redis_bus, settings.stream_limits)
         else:
             assert settings.redis_url is not None
-            redis_bus = RedisBus(settings.redis_url, name=settings.node_id)
+            redis_bus = RedisBus(settings.redis_url, name=settings.node_id, metrics=metrics)
             streams = RedisStreams(settings.redis_url, settings.stream_limits)
-        cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store)
+        cluster = RedisPresenceBackend.from_settings(settings, redis_bus, store, metrics)
         node = Node(
             settings,
             store,
             redis_bus,
             cluster,
-            build_authenticator(settings),
+            build_authenticator(settings, metrics),
             streams,
-            redis_coordination(settings),
+            redis_coordination(settings, metrics),
+            metrics=metrics,
         )
         # After a Redis reconnect the node reloads presence and re-snapshots its
         # clients; if the cluster presumed it dead, it writes its rows again.
@@ -125,12 +133,20 @@ async def build_node(settings: Settings, store: Store | None = None) -> Node:
         bus = memory_bus
         backend = MemoryPresenceBackend(memory_bus, store, settings.node_id)
         memory_streams = MemoryStreams(memory_bus, settings.stream_limits)
-        REGISTRY.gauge(
+        metrics.gauge(
             "ap_stream_history_bytes",
             "Event bytes kept in the streams' histories (embedded: in this process)",
             memory_streams.history_bytes,
         )
-        node = Node(settings, store, bus, backend, build_authenticator(settings), memory_streams)
+        node = Node(
+            settings,
+            store,
+            bus,
+            backend,
+            build_authenticator(settings, metrics),
+            memory_streams,
+            metrics=metrics,
+        )
     add_bridges(node, settings)
     return node
 
@@ -202,7 +218,7 @@ def _lease(node: Node, settings: Settings, key: str) -> Lease:
     return RedisLease(make_client(settings.redis_url, retries=1), key, token, lease_ms)
 
 
-def redis_coordination(settings: Settings) -> Coordination:
+def redis_coordination(settings: Settings, metrics: Registry | None = None) -> Coordination:
     """The services' cluster-wide parts: per-game chat locks, the chat rate, lastSeen claims.
 
     Their keys carry the hash tag of a game or a user, one key per script, so
@@ -217,7 +233,7 @@ def redis_coordination(settings: Settings) -> Coordination:
     url = settings.redis_cluster_url if sharded else settings.redis_url
     assert url is not None
     return Coordination(
-        RedisGameLocks(url, cluster=sharded),
+        RedisGameLocks(url, cluster=sharded, metrics=metrics),
         RedisRateLimiter(url, "chat", settings.chat_rate, RATE_WINDOW_SECONDS, cluster=sharded),
         RedisClaims(url, "last-seen", cluster=sharded),
     )
@@ -241,6 +257,9 @@ class Handler:
         self.credits = settings.flood_credits
         self.refill = settings.flood_credits / settings.flood_window_seconds
         self.subscribe_timeout = settings.subscribe_timeout
+        self.bad_frames = node.metrics.counter(
+            "ap_client_errors_total", "Client frames answered with an error"
+        )
 
     async def __call__(self, ws: ServerConnection) -> None:
         # The library's subprotocol callback closes over the connection, which
@@ -248,7 +267,8 @@ class Handler:
         # socket until a full collection. The handshake is over; drop it.
         vars(ws.protocol).pop("select_subprotocol", None)
         loop = asyncio.get_running_loop()
-        session = Session(ws, TokenBucket(self.credits, self.refill, loop.time()))
+        credits = TokenBucket(self.credits, self.refill, loop.time())
+        session = Session(ws, credits, traffic=self.node.traffic)
         logs.connection_id.set(session.connection_id)  # this task serves only this socket
         if isinstance(ws, GuardedConnection):
             ws.session = session
@@ -283,7 +303,7 @@ class Handler:
         try:
             action = parse_client_frame(data)
         except ProtocolError as exc:
-            bad_frames.inc()
+            self.bad_frames.inc()
             session.send_error(exc.code, exc.message, self.limit, exc.client_msg_id)
             if exc.code is ErrorCode.UNAUTHORIZED:
                 # subscribe without a usable token: refused like a bad one
@@ -292,7 +312,7 @@ class Handler:
         if isinstance(action, Subscribe):
             await self.node.subscribe(session, action)
         elif not session.subscribed:
-            bad_frames.inc()
+            self.bad_frames.inc()
             session.send_error(ErrorCode.NOT_SUBSCRIBED, "Not subscribed", self.limit)
         elif isinstance(action, WatchGames):
             await self.node.watch(session, action.games, action.since)
@@ -300,11 +320,6 @@ class Handler:
             self.node.sync_presence(session)
         elif isinstance(action, Chat):
             await self.node.chat.post(session, action)
-
-
-refused_upgrades = REGISTRY.counter(
-    "ap_refused_upgrades_total", "WebSocket upgrades answered 503 (node cap or accept rate)"
-)
 
 
 class Admission:
@@ -315,6 +330,9 @@ class Admission:
         self.node = node
         settings = node.settings
         self.max_connections = settings.max_connections
+        self.refused = node.metrics.counter(
+            "ap_refused_upgrades_total", "WebSocket upgrades answered 503 (node cap or accept rate)"
+        )
         self.bucket: TokenBucket | None = None
         if settings.accept_rate > 0:
             rate = settings.accept_rate
@@ -322,13 +340,13 @@ class Admission:
 
     def check(self, connection: ServerConnection, request: Request) -> Response | None:
         if self.max_connections and len(self.node.sessions) >= self.max_connections:
-            refused_upgrades.inc()
+            self.refused.inc()
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "node is full\n")
         bucket = self.bucket
         if bucket is not None:
             now = asyncio.get_running_loop().time()
             if not bucket.take(now):
-                refused_upgrades.inc()
+                self.refused.inc()
                 response = connection.respond(
                     HTTPStatus.SERVICE_UNAVAILABLE, "too many new connections\n"
                 )
@@ -347,6 +365,7 @@ async def start_listeners(
         {
             "outbox_limit": settings.outbox_limit_bytes,
             "send_buffer_bytes": settings.socket_send_buffer_bytes,
+            "traffic": node.traffic,
         },
     )
     ws_server = await serve(
@@ -404,7 +423,7 @@ async def serve_forever(settings: Settings) -> None:
         return
     ws_server, runner, reclaimer = started
     gc.freeze()  # what start-up allocated lives as long as the process
-    pauses = PauseWatch()
+    pauses = PauseWatch(node.metrics)
     pauses.start()
     mode = (
         "cluster node (Redis Cluster bus)"
@@ -441,7 +460,7 @@ async def serve_forever(settings: Settings) -> None:
 
 async def _start(node: Node) -> tuple[Server, web.AppRunner, Reclaimer]:
     await node.start()
-    reclaimer = Reclaimer()
+    reclaimer = Reclaimer(node.metrics)
     try:
         ws_server, runner = await start_listeners(node, reclaimer)
     except BaseException:

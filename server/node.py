@@ -89,19 +89,18 @@ from server.presence.core import (
     PresenceBackend,
     PresenceView,
     PresenceWriter,
-    presence_resyncs,
 )
 from server.routing.history_reads import HistoryReads
 from server.routing.subscribe_batching import SubscribeBatcher
 from server.runtime.connection_rows import ConnectionRegistry
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.runtime.write_behind import CoalescingFlusher
 from server.services import Service
 from server.services.bots import BotService
 from server.services.chat import RATE_WINDOW_SECONDS, ChatService
 from server.services.chat_marks import ChatMarks
 from server.services.last_seen import LastSeen
-from server.session import Session, send_frame, send_frames
+from server.session import Session, Traffic, send_frame, send_frames
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
 
 log = logging.getLogger(__name__)
@@ -111,25 +110,40 @@ RELOAD_ATTEMPTS = 20
 SYNC_PRESENCE_INTERVAL = 1.0
 """Seconds between two snapshots answering one connection's syncPresence."""
 
-events_published = REGISTRY.counter("ap_events_published_total", "Events accepted for fan-out")
-events_received = REGISTRY.counter("ap_bus_messages_total", "Envelopes received from the bus")
-bad_envelopes = REGISTRY.counter("ap_bus_bad_envelopes_total", "Envelopes that failed to decode")
-stream_gaps = REGISTRY.counter(
-    "ap_stream_gaps_total", "Holes in a stream this node heard, repaired from history or not"
-)
-stream_losses = REGISTRY.counter(
-    "ap_stream_losses_total", "Times this node told its clients recovered:false for a stream"
-)
-stream_repaired = REGISTRY.counter(
-    "ap_stream_repaired_events_total", "Events this node missed live and delivered from history"
-)
-recoveries = REGISTRY.counter("ap_stream_recoveries_total", "Client recoveries answered")
-recoveries_failed = REGISTRY.counter(
-    "ap_stream_recoveries_failed_total", "Client recoveries answered with recovered:false"
-)
-bus_failures = REGISTRY.counter(
-    "ap_bus_subscription_retries_total", "Bus subscription changes that failed and were retried"
-)
+
+class NodeCounters:
+    """The hub's own counters, on its node's registry."""
+
+    def __init__(self, registry: Registry) -> None:
+        counter = registry.counter
+        self.events_published = counter("ap_events_published_total", "Events accepted for fan-out")
+        self.events_received = counter("ap_bus_messages_total", "Envelopes received from the bus")
+        self.bad_envelopes = counter(
+            "ap_bus_bad_envelopes_total", "Envelopes that failed to decode"
+        )
+        self.stream_gaps = counter(
+            "ap_stream_gaps_total",
+            "Holes in a stream this node heard, repaired from history or not",
+        )
+        self.stream_losses = counter(
+            "ap_stream_losses_total",
+            "Times this node told its clients recovered:false for a stream",
+        )
+        self.stream_repaired = counter(
+            "ap_stream_repaired_events_total",
+            "Events this node missed live and delivered from history",
+        )
+        self.recoveries = counter("ap_stream_recoveries_total", "Client recoveries answered")
+        self.recoveries_failed = counter(
+            "ap_stream_recoveries_failed_total", "Client recoveries answered with recovered:false"
+        )
+        self.bus_failures = counter(
+            "ap_bus_subscription_retries_total",
+            "Bus subscription changes that failed and were retried",
+        )
+        self.presence_resyncs = counter(
+            "ap_presence_view_reloads_total", "Times a node reloaded committed presence after a gap"
+        )
 
 
 DRAIN_BATCH_SECONDS = 0.1
@@ -145,9 +159,9 @@ class Coordination:
     last_seen_claims: Claims
 
     @classmethod
-    def in_memory(cls, settings: Settings) -> Coordination:
+    def in_memory(cls, settings: Settings, metrics: Registry | None = None) -> Coordination:
         return cls(
-            MemoryGameLocks(),
+            MemoryGameLocks(metrics=metrics),
             MemoryRateLimiter(settings.chat_rate, RATE_WINDOW_SECONDS),
             MemoryClaims(),
         )
@@ -171,19 +185,30 @@ class Node:
         authenticator: Authenticator,
         streams: Streams,
         coordination: Coordination | None = None,
+        *,
+        metrics: Registry | None = None,
     ) -> None:
         self.settings = settings
+        # This node's metrics: /metrics and /status read them, and every part
+        # built here registers its own on them.
+        self.metrics = metrics if metrics is not None else Registry()
+        self.counters = NodeCounters(self.metrics)
+        self.traffic = Traffic(self.metrics)
         self.streams = streams
         self.node_id = settings.node_id
         self.store = store
         self.bus = bus
         self.presence_backend = presence_backend
         self.authenticator = authenticator
-        self.registry = ConnectionRegistry(store)
-        self.bots = BotService(store, settings.bot_max_connections, settings.outbox_limit_bytes)
+        self.registry = ConnectionRegistry(store, self.metrics)
+        self.bots = BotService(
+            store, settings.bot_max_connections, settings.outbox_limit_bytes, metrics=self.metrics
+        )
         self.local_presence = LocalPresence()
         self.view = PresenceView()
-        self.writer = PresenceWriter(presence_backend, store, settings.presence_debounce)
+        self.writer = PresenceWriter(
+            presence_backend, store, settings.presence_debounce, metrics=self.metrics
+        )
         self.sessions: set[Session] = set()
         self.by_user: dict[str, set[Session]] = {}
         self.by_game: dict[GameKey, set[Session]] = {}
@@ -197,7 +222,7 @@ class Node:
         # Streams whose hole is being filled from history -> events that arrived meanwhile.
         self._repairing: dict[str, list[tuple[PositionedData, Broadcast]]] = {}
         # Every history read (recovery, repair) goes out in batches.
-        self.history = HistoryReads(streams)
+        self.history = HistoryReads(streams, metrics=self.metrics)
         # And every subscribe a recovery waits for, so a storm's are a few calls.
         self._recovery_subscribes = SubscribeBatcher(bus)
         # Replayed frames, shared by every client recovering the same events.
@@ -205,10 +230,10 @@ class Node:
         self._background: set[asyncio.Task[None]] = set()
         self._outbox_limit = settings.outbox_limit_bytes
         self._topics: CoalescingFlusher[str, bool] = CoalescingFlusher(
-            "bus-topics", self._apply_topics, lambda _old, new: new, bus_failures
+            "bus-topics", self._apply_topics, lambda _old, new: new, self.counters.bus_failures
         )
         self._reports: CoalescingFlusher[str, bool | None] = CoalescingFlusher(
-            "presence-reports", self._report, lambda _old, new: new, bus_failures
+            "presence-reports", self._report, lambda _old, new: new, self.counters.bus_failures
         )
         # None asks the delta loop to reload the view and push fresh snapshots.
         self._reports_since: float | None = None  # when the oldest unreported change happened
@@ -220,8 +245,12 @@ class Node:
         self._moving = 0  # drained sessions whose user is still reported here
         self._moves_done = asyncio.Event()
         self._sessions_gone = asyncio.Event()  # set when a drain has closed the last one
-        shared = coordination if coordination is not None else Coordination.in_memory(settings)
-        self.chat_marks = ChatMarks(store)
+        shared = (
+            coordination
+            if coordination is not None
+            else Coordination.in_memory(settings, self.metrics)
+        )
+        self.chat_marks = ChatMarks(store, self.metrics)
         self.chat = ChatService(
             store,
             self.publish,
@@ -229,12 +258,14 @@ class Node:
             shared.chat_limiter,
             self.chat_marks,
             self._outbox_limit,
+            metrics=self.metrics,
         )
-        self.last_seen = LastSeen(store, shared.last_seen_claims)
-        REGISTRY.gauge("ap_connections", "Open WebSocket sessions", lambda: len(self.sessions))
-        REGISTRY.gauge("ap_users", "Distinct users on this node", self._user_count)
-        REGISTRY.gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
-        REGISTRY.gauge("ap_watched_games", "Games watched on this node", lambda: len(self.by_game))
+        self.last_seen = LastSeen(store, shared.last_seen_claims, self.metrics)
+        gauge = self.metrics.gauge
+        gauge("ap_connections", "Open WebSocket sessions", lambda: len(self.sessions))
+        gauge("ap_users", "Distinct users on this node", self._user_count)
+        gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
+        gauge("ap_watched_games", "Games watched on this node", lambda: len(self.by_game))
 
     @property
     def report_backlog(self) -> int:
@@ -716,7 +747,7 @@ class Node:
         sk): published again within 15 minutes, it is not appended or delivered
         again, and each stream answers the position it took the first time.
         """
-        events_published.inc()
+        self.counters.events_published.inc()
         data = encode_envelope(message)
         event = message.event
         if isinstance(event, AdminTest):
@@ -742,7 +773,7 @@ class Node:
         return {item.stream: position for item, position in zip(items, positions, strict=True)}
 
     def _on_bus_message(self, topic: str, data: bytes) -> None:
-        events_received.inc()
+        self.counters.events_received.inc()
         try:
             if is_positioned(data):
                 positioned = decode_positioned(data)
@@ -752,7 +783,7 @@ class Node:
                 return
             envelope = decode_envelope(data)
         except EnvelopeError as exc:
-            bad_envelopes.inc()
+            self.counters.bad_envelopes.inc()
             log.warning("dropped envelope on %s: %s", topic, exc)
             return
         if isinstance(envelope, Broadcast):
@@ -806,7 +837,7 @@ class Node:
         if step is Step.DUPLICATE:
             return
         if step is Step.GAP:
-            stream_gaps.inc()
+            self.counters.stream_gaps.inc()
             if not repairing:
                 self._repairing[stream] = [(positioned, message)]
                 self._spawn(self._repair(stream), f"repair {stream}")
@@ -857,7 +888,7 @@ class Node:
                 cursor.advance(history.epoch, history.top)
             for offset, envelope in entries:
                 if offset == cursor.offset + 1:
-                    stream_repaired.inc()
+                    self.counters.stream_repaired.inc()
                     cursor.advance(history.epoch, offset)
                     self._deliver(stream, history.epoch, offset, envelope)
         # Arrival order is stream order (Redis publishes a stream's events in order).
@@ -924,7 +955,7 @@ class Node:
 
     def _lost(self, stream: str, epoch: str, top: int) -> None:
         """This node cannot prove continuity on ``stream``: its speakers must refetch."""
-        stream_losses.inc()
+        self.counters.stream_losses.inc()
         frame = Frame(Recovered(stream, False, epoch, top))
         for session in self.speakers.get(stream, ()):
             if stream in session.recovering:
@@ -1007,12 +1038,12 @@ class Node:
         buffered: list[tuple[str, int, Broadcast]],
         out: list[Frame],
     ) -> None:
-        recoveries.inc()
+        self.counters.recoveries.inc()
         positions = session.positions
         assert positions is not None
         if isinstance(history, BaseException):
             log.warning("history of %s unreadable during recovery: %s", stream, history)
-            recoveries_failed.inc()
+            self.counters.recoveries_failed.inc()
             epoch, top = (buffered[0][0], buffered[0][1] - 1) if buffered else (since.epoch, 0)
             out.append(Frame(Recovered(stream, False, epoch, top)))
             positions[stream] = (epoch, top)
@@ -1022,7 +1053,7 @@ class Node:
         for offset, message in plan.events:
             self._send_one(session, stream, plan.epoch, offset, message, out)
         if not plan.recovered:
-            recoveries_failed.inc()
+            self.counters.recoveries_failed.inc()
         if plan.recovered:
             answer = Recovered(stream, True, plan.epoch, plan.offset)
             key = (stream, plan.epoch, plan.offset, "recovered")
@@ -1092,7 +1123,7 @@ class Node:
             if delta.seq != self.view.seq + 1:
                 # A gap in what this node heard: read the committed state again.
                 # Clients see the gap too and repair it with syncPresence.
-                presence_resyncs.inc()
+                self.counters.presence_resyncs.inc()
                 log.warning("presence gap at node: have %d, got %d", self.view.seq, delta.seq)
                 try:
                     self.view.reset(await self.presence_backend.committed())
@@ -1105,7 +1136,7 @@ class Node:
             send_frame(self.presence_watchers, Frame(delta), self._outbox_limit)
 
     async def _reload_view(self) -> None:
-        presence_resyncs.inc()
+        self.counters.presence_resyncs.inc()
         # Right after a reconnect Redis may still refuse (a cluster still
         # electing, a client on a stale slot map): retry rather than leave the
         # watchers without the snapshot that covers what they missed.

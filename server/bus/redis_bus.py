@@ -31,15 +31,9 @@ from server.bus.base import BusDown, MessageHandler
 from server.redis.client import RedisUnavailable, make_client
 from server.redis.keys import channel_for
 from server.runtime.backoff import Backoff
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Counter, Registry
 
 log = logging.getLogger(__name__)
-
-reconnects = REGISTRY.counter("ap_bus_reconnects_total", "Times the Redis subscriber reconnected")
-local_only = REGISTRY.counter(
-    "ap_bus_local_only_publishes_total",
-    "Publishes delivered to this node only, because Redis was unreachable",
-)
 
 ReconnectCallback = Callable[[], None]
 """Called on the reader task after a reconnect, before any new message is delivered."""
@@ -52,16 +46,32 @@ class BusUnavailable(RedisUnavailable):
 class LocalDelivery:
     """What both Redis buses do with their own node's handler.
 
-    Subclasses set ``_handler`` and ``_topics``; a publish that cannot reach
-    Redis still reaches this node's subscribers, on a later loop turn as a
-    network bus would deliver it.
+    Subclasses set ``_handler`` and ``_topics`` and call :meth:`_count_on`; a
+    publish that cannot reach Redis still reaches this node's subscribers, on a
+    later loop turn as a network bus would deliver it.
     """
 
     _handler: MessageHandler | None
     _topics: set[str]
+    _local_only: Counter
+
+    def _count_on(self, registry: Registry) -> None:
+        """What both buses report: local-only publishes, and whether they are connected."""
+        self._local_only = registry.counter(
+            "ap_bus_local_only_publishes_total",
+            "Publishes delivered to this node only, because Redis was unreachable",
+        )
+        registry.gauge("ap_bus_connected", "1 while the Redis bus is connected", self._gauge)
+
+    def _gauge(self) -> float:
+        return 1.0 if self.connected else 0.0
+
+    @property
+    def connected(self) -> bool:
+        raise NotImplementedError
 
     def _deliver_here_only(self, topic: str, data: bytes) -> None:
-        local_only.inc()
+        self._local_only.inc()
         if topic in self._topics:
             asyncio.get_running_loop().call_soon(self._deliver_local, topic, data)
 
@@ -90,7 +100,13 @@ class RedisBus(LocalDelivery):
         keepalive: float = 5.0,
         max_backoff: float = 2.0,
         name: str | None = None,
+        metrics: Registry | None = None,
     ) -> None:
+        registry = metrics or Registry()
+        self._count_on(registry)
+        self._reconnects = registry.counter(
+            "ap_bus_reconnects_total", "Times the Redis subscriber reconnected"
+        )
         self.url = url
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive
@@ -115,10 +131,6 @@ class RedisBus(LocalDelivery):
         self._callbacks: list[ReconnectCallback] = []
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
-        REGISTRY.gauge("ap_bus_connected", "1 while the Redis bus is connected", self._gauge)
-
-    def _gauge(self) -> float:
-        return 1.0 if self.connected else 0.0
 
     @property
     def connected(self) -> bool:
@@ -249,7 +261,7 @@ class RedisBus(LocalDelivery):
                 backlog = await self._attach(pubsub)
                 retrying.reset()
                 if self._ever_attached:
-                    reconnects.inc()
+                    self._reconnects.inc()
                     self._reconnected_at = self._connected_since
                     log.info("Redis bus reconnected; %d topics subscribed", len(self._topics))
                     for callback in self._callbacks:

@@ -53,13 +53,9 @@ from server.redis.client import make_cluster_client, startup_nodes
 from server.redis.keys import channel_for
 from server.redis.shard_pipes import ShardPipes
 from server.runtime.backoff import Backoff
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 
 log = logging.getLogger(__name__)
-
-shard_losses = REGISTRY.counter(
-    "ap_bus_shard_losses_total", "Times a Redis Cluster shard subscription connection was lost"
-)
 
 
 def _by_slot(channels: Iterable[str]) -> list[list[str]]:
@@ -225,8 +221,15 @@ class RedisClusterBus(LocalDelivery):
         max_backoff: float = 1.0,
         publish_deadline: float = 10.0,
         name: str | None = None,
+        metrics: Registry | None = None,
     ) -> None:
         startup_nodes(url)  # fail on a bad URL now, not in the reader
+        registry = metrics or Registry()
+        self._count_on(registry)
+        self._shard_losses = registry.counter(
+            "ap_bus_shard_losses_total",
+            "Times a Redis Cluster shard subscription connection was lost",
+        )
         self.url = url
         # Named (``ap-sub:<node>``) so an operator, or a test, can find it in CLIENT LIST.
         self.client_name = f"ap-sub:{name}" if name else None
@@ -237,7 +240,9 @@ class RedisClusterBus(LocalDelivery):
         self._client = make_cluster_client(url)
         # Publishes and stream scripts: one pipelined connection per primary,
         # routed by this client's slot map (the one the readers follow).
-        self.pipes = ShardPipes(self._client, client_name=f"ap-cmd:{name}" if name else None)
+        self.pipes = ShardPipes(
+            self._client, client_name=f"ap-cmd:{name}" if name else None, metrics=registry
+        )
         self._handler: MessageHandler | None = None
         self._topics: set[str] = set()
         self._by_channel: dict[bytes, str] = {}
@@ -250,10 +255,6 @@ class RedisClusterBus(LocalDelivery):
         self._dirty = False  # topics changed while a repair was under way
         self._callbacks: list[ReconnectCallback] = []
         self._closing = False
-        REGISTRY.gauge("ap_bus_connected", "1 while the Redis bus is connected", self._gauge)
-
-    def _gauge(self) -> float:
-        return 1.0 if self.connected else 0.0
 
     @property
     def connected(self) -> bool:
@@ -456,7 +457,7 @@ class RedisClusterBus(LocalDelivery):
         if self._closing or shard.dead:
             return
         shard.dead = True
-        shard_losses.inc()
+        self._shard_losses.inc()
         log.warning("Redis Cluster shard %s lost: %s", shard.name, exc or type(exc).__name__)
         if self._shards.get(shard.name) is shard:
             del self._shards[shard.name]

@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 
 from server.redis.client import through_failover
 from server.redis.scripts import ShardScript, lua
+from server.runtime.metrics import Counter
 
 if TYPE_CHECKING:
     from server.bus.redis_cluster_bus import RedisClusterBus
@@ -199,9 +200,12 @@ class RedisClusterDedup:
     """Calls at once per instance: below the cluster client's per-node pool, which
     raises instead of waiting when it runs out."""
 
-    def __init__(self, client: Any, *, failover_seconds: float = 10.0) -> None:
+    def __init__(
+        self, client: Any, *, failover_seconds: float = 10.0, retries: Counter | None = None
+    ) -> None:
         self._client = client
         self._failover_seconds = failover_seconds
+        self._retries = retries
         self._claim = ShardScript(client, _CLAIM)
         self._release = ShardScript(client, _RELEASE)
         self._slots = asyncio.Semaphore(self.MAX_IN_FLIGHT)
@@ -211,7 +215,11 @@ class RedisClusterDedup:
     @classmethod
     def on_cluster(cls, bus: RedisClusterBus) -> RedisClusterDedup:
         """On the Redis Cluster of ``bus``, with a command client of its own."""
-        return cls(bus.command_client(), failover_seconds=bus.publish_deadline)
+        return cls(
+            bus.command_client(),
+            failover_seconds=bus.publish_deadline,
+            retries=bus.pipes.retries,
+        )
 
     async def _ready(self) -> None:
         # The slot map and first connections before any concurrent use: a fresh
@@ -230,7 +238,7 @@ class RedisClusterDedup:
 
         async def bounded(call: Callable[[], Awaitable[Any]]) -> Any:
             async with self._slots:
-                return await through_failover(call, deadline)
+                return await through_failover(call, deadline, retries=self._retries)
 
         return await asyncio.gather(*(bounded(call) for call in calls), return_exceptions=True)
 

@@ -35,16 +35,9 @@ from server.coordination.lease import (
 )
 from server.redis.client import command_client_for
 from server.runtime.backoff import Backoff
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Counter, Registry
 
 log = logging.getLogger(__name__)
-
-locks_lost = REGISTRY.counter(
-    "ap_game_lock_lost_total", "Per-game chat leases found expired before the publish"
-)
-lock_timeouts = REGISTRY.counter(
-    "ap_game_lock_timeouts_total", "Per-game chat locks not obtained within the wait"
-)
 
 LEASE_MS = 10_000
 """A holder that stalls this long loses the game to the next writer."""
@@ -75,7 +68,8 @@ class GameLocks(Protocol):
 class _LocalLocks:
     """Per-key asyncio locks, dropped when nobody holds or waits for them."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeouts: Counter) -> None:
+        self._timeouts = timeouts
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
 
     @contextlib.asynccontextmanager
@@ -88,7 +82,7 @@ class _LocalLocks:
                 async with asyncio.timeout_at(_loop_time(deadline)):
                     await lock.acquire()
             except TimeoutError:
-                lock_timeouts.inc()
+                self._timeouts.inc()
                 raise LockUnavailable("the game is busy; try again") from None
             try:
                 yield
@@ -118,8 +112,9 @@ def lock_key(key: str) -> str:
 class _Held:
     """One hold of a game: its lease, renewed in the background while it lasts."""
 
-    def __init__(self, lease: Lease) -> None:
+    def __init__(self, lease: Lease, lost: Counter) -> None:
         self._lease = lease
+        self._lost = lost
         self.lost = False
 
     async def extend(self) -> bool:
@@ -137,7 +132,7 @@ class _Held:
     async def confirm(self) -> bool:
         held = await self.extend()
         if not held:
-            locks_lost.inc()
+            self._lost.inc()
             log.warning("chat lease %s expired before the publish", self._lease.key)
         return held
 
@@ -151,10 +146,17 @@ class _LeasedGameLocks:
     """A local lock per game first (so a node sends one contender to its lease
     store), then the game's lease, renewed while held and released after."""
 
-    def __init__(self, *, lease_ms: int | None, wait: float) -> None:
+    def __init__(self, *, lease_ms: int | None, wait: float, metrics: Registry | None) -> None:
+        registry = metrics or Registry()
+        self._lost = registry.counter(
+            "ap_game_lock_lost_total", "Per-game chat leases found expired before the publish"
+        )
+        self._timeouts = registry.counter(
+            "ap_game_lock_timeouts_total", "Per-game chat locks not obtained within the wait"
+        )
         self._lease_ms = lease_ms
         self._wait = wait
-        self._local = _LocalLocks()
+        self._local = _LocalLocks(self._timeouts)
 
     def _lease(self, key: str, token: str) -> Lease:
         raise NotImplementedError
@@ -165,7 +167,7 @@ class _LeasedGameLocks:
         async with self._local.hold(key, deadline):
             lease = self._lease(lock_key(key), new_token("chat"))
             await self._acquire(lease, deadline)
-            held = _Held(lease)
+            held = _Held(lease, self._lost)
             renewer = None
             if self._lease_ms is not None:
                 every = self._lease_ms / 3000
@@ -191,7 +193,7 @@ class _LeasedGameLocks:
             except (RedisError, OSError) as exc:
                 raise LockUnavailable(f"Redis refused the chat lock: {exc}") from exc
             if not await retrying.wait():
-                lock_timeouts.inc()
+                self._timeouts.inc()
                 raise LockUnavailable("the game is busy; try again")
 
 
@@ -199,8 +201,8 @@ class MemoryGameLocks(_LeasedGameLocks):
     """The embedded default: one process, so its leases never lapse and the
     local lock is the whole story."""
 
-    def __init__(self, *, wait: float = WAIT_SECONDS) -> None:
-        super().__init__(lease_ms=None, wait=wait)
+    def __init__(self, *, wait: float = WAIT_SECONDS, metrics: Registry | None = None) -> None:
+        super().__init__(lease_ms=None, wait=wait, metrics=metrics)
         self._table = LeaseTable()
 
     def _lease(self, key: str, token: str) -> Lease:
@@ -220,8 +222,9 @@ class RedisGameLocks(_LeasedGameLocks):
         lease_ms: int = LEASE_MS,
         wait: float = WAIT_SECONDS,
         cluster: bool = False,
+        metrics: Registry | None = None,
     ) -> None:
-        super().__init__(lease_ms=lease_ms, wait=wait)
+        super().__init__(lease_ms=lease_ms, wait=wait, metrics=metrics)
         self._client = command_client_for(url, cluster=cluster)
 
     def _lease(self, key: str, token: str) -> Lease:

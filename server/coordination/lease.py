@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from server.redis.client import through_failover
 from server.redis.scripts import lua, script_for
+from server.runtime.metrics import Counter
 
 if TYPE_CHECKING:
     from server.bus.redis_cluster_bus import RedisClusterBus
@@ -166,7 +167,7 @@ class RedisLease:
     """One key holding ``token`` with a ttl of ``lease_ms``; renew well within it.
 
     ``client`` is a Redis client or a Redis Cluster client; ``owns_client``
-    says whether :meth:`close` closes it.
+    says whether :meth:`close` closes it; ``retries`` counts failover retries.
     """
 
     def __init__(
@@ -178,6 +179,7 @@ class RedisLease:
         *,
         through_failover: bool = False,
         owns_client: bool = True,
+        retries: Counter | None = None,
     ) -> None:
         self._client = client
         self.key = key
@@ -186,19 +188,28 @@ class RedisLease:
         self._lease_ms = lease_ms
         self._retry = through_failover
         self._owns_client = owns_client
+        self._retries = retries
         self._renew = script_for(client, RENEW)
         self._release = script_for(client, RELEASE)
 
     @classmethod
     def on_cluster(cls, bus: RedisClusterBus, key: str, token: str, lease_ms: int) -> RedisLease:
         """On the Redis Cluster of ``bus``, with a command client of its own."""
-        return cls(bus.command_client(), key, token, lease_ms, through_failover=True)
+        return cls(
+            bus.command_client(),
+            key,
+            token,
+            lease_ms,
+            through_failover=True,
+            retries=bus.pipes.retries,
+        )
 
     async def _call(self, call: Callable[[], Awaitable[T]], started: float) -> T:
         if not self._retry:
             return await call()
         # Past one lease term there is nothing left to keep: any holder's key lapsed.
-        return await through_failover(call, started + self._lease_ms / 1000)
+        deadline = started + self._lease_ms / 1000
+        return await through_failover(call, deadline, retries=self._retries)
 
     @property
     def valid_until(self) -> float:

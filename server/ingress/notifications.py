@@ -42,7 +42,7 @@ from server.coordination.dedup import Claim, Dedup
 from server.coordination.lease import Lease
 from server.ingress.table_stream import Record, TableStreamReader
 from server.node import Node
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -53,13 +53,22 @@ DEDUP_SECONDS = 86_400.0
 """A stream keeps records for 24 h: no reader can meet a record again after that."""
 CLAIM_SECONDS = 60.0
 
-pushed = REGISTRY.counter("ap_notifications_pushed_total", "Notification rows pushed to users")
-repeated = REGISTRY.counter(
-    "ap_notifications_repeated_total", "Notification records read again and not pushed again"
-)
-unpushable = REGISTRY.counter(
-    "ap_notifications_unpushable_total", "Notification rows that could not become an event"
-)
+
+class _PushCounters:
+    """The push's counters, on its node's registry."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.pushed = registry.counter(
+            "ap_notifications_pushed_total", "Notification rows pushed to users"
+        )
+        self.repeated = registry.counter(
+            "ap_notifications_repeated_total",
+            "Notification records read again and not pushed again",
+        )
+        self.unpushable = registry.counter(
+            "ap_notifications_unpushable_total", "Notification rows that could not become an event"
+        )
+
 
 _deserializer = TypeDeserializer()
 
@@ -121,6 +130,7 @@ class NotificationPush:
         endpoint_url: str | None,
         poll_seconds: float,
     ) -> None:
+        self._counts = _PushCounters(node.metrics)
         self._node = node
         self._dedup = dedup
         self._token = f"{node.node_id}/{uuid.uuid4().hex}"
@@ -133,6 +143,7 @@ class NotificationPush:
             region=region,
             endpoint_url=endpoint_url,
             poll_seconds=poll_seconds,
+            metrics=node.metrics,
         )
 
     async def start(self) -> None:
@@ -156,7 +167,7 @@ class NotificationPush:
         try:
             for notification, key, claim in zip(found, keys, claims, strict=True):
                 if claim is Claim.DONE:
-                    repeated.inc()
+                    self._counts.repeated.inc()
                     continue
                 if claim is Claim.BUSY:
                     raise NotificationBusy(f"record {notification.event_id} is being published")
@@ -179,7 +190,7 @@ class NotificationPush:
             message = parse_broadcast(json.dumps(body))
         except (ProtocolError, TypeError, ValueError) as exc:
             # Retrying cannot fix it: count it and move on, as with a poison message.
-            unpushable.inc()
+            self._counts.unpushable.inc()
             reason = exc.message if isinstance(exc, ProtocolError) else str(exc)
             log.warning(
                 "notification %s for %s not pushed: %s",
@@ -189,4 +200,4 @@ class NotificationPush:
             )
             return
         await self._node.publish(message, require_cluster=True, event_id=notification.sk)
-        pushed.inc()
+        self._counts.pushed.inc()

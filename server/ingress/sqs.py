@@ -43,7 +43,7 @@ from protocol.parse import parse_broadcast
 from server.coordination.dedup import Claim, Dedup
 from server.node import Node
 from server.runtime.backoff import Backoff, Retrying
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 
 log = logging.getLogger(__name__)
 
@@ -64,23 +64,30 @@ BUS_SETTLE_SECONDS = 3.0
 subscribers reconnect within the bus's 2 s backoff cap, and Redis pub/sub would not
 deliver to a node that is not subscribed yet."""
 
-received = REGISTRY.counter("ap_sqs_messages_received_total", "Messages received from the queue")
-published = REGISTRY.counter(
-    "ap_sqs_messages_published_total", "Queue messages published onto the bus"
-)
-duplicates = REGISTRY.counter(
-    "ap_sqs_duplicates_total", "Queue messages received again after they were published"
-)
-poison = REGISTRY.counter(
-    "ap_sqs_poison_messages_total", "Queue messages that did not parse: logged and deleted"
-)
-handed_back = REGISTRY.counter(
-    "ap_sqs_messages_returned_total",
-    "Messages handed back to the queue unpublished (bus down, or another node publishing)",
-)
-errors = REGISTRY.counter(
-    "ap_sqs_errors_total", "Failed calls to SQS or to the dedup store (then backed off)"
-)
+
+class _SqsCounters:
+    """The bridge's counters, on its node's registry."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.received = registry.counter(
+            "ap_sqs_messages_received_total", "Messages received from the queue"
+        )
+        self.published = registry.counter(
+            "ap_sqs_messages_published_total", "Queue messages published onto the bus"
+        )
+        self.duplicates = registry.counter(
+            "ap_sqs_duplicates_total", "Queue messages received again after they were published"
+        )
+        self.poison = registry.counter(
+            "ap_sqs_poison_messages_total", "Queue messages that did not parse: logged and deleted"
+        )
+        self.handed_back = registry.counter(
+            "ap_sqs_messages_returned_total",
+            "Messages handed back to the queue unpublished (bus down, or another node publishing)",
+        )
+        self.errors = registry.counter(
+            "ap_sqs_errors_total", "Failed calls to SQS or to the dedup store (then backed off)"
+        )
 
 
 @dataclass
@@ -114,6 +121,8 @@ class SqsBridge:
         wait_seconds: int = 20,
         visibility_seconds: int = 30,
     ) -> None:
+        self._metrics = node.metrics
+        self._counts = _SqsCounters(node.metrics)
         self._node = node
         self._dedup = dedup
         self.queue_url = queue_url
@@ -132,12 +141,12 @@ class SqsBridge:
         self._settle = BUS_SETTLE_SECONDS
         self._in_flight = 0
         self._oldest_ms: dict[int, float] = {}
-        REGISTRY.gauge(
+        self._metrics.gauge(
             "ap_sqs_messages_in_flight",
             "Messages received from the queue and not yet deleted or handed back",
             lambda: float(self._in_flight),
         )
-        REGISTRY.gauge(
+        self._metrics.gauge(
             "ap_sqs_oldest_message_age_seconds",
             "Age, when received, of the oldest message of the latest receives (0: queue drained)",
             self._oldest_age,
@@ -221,7 +230,7 @@ class SqsBridge:
                     return
                 raise
             except Exception as exc:
-                errors.inc()
+                self._counts.errors.inc()
                 await self._pause(retrying, f"ReceiveMessage failed: {exc}")
                 continue
             finally:
@@ -267,7 +276,7 @@ class SqsBridge:
 
     async def _handle(self, batch: list[_Received]) -> bool:
         """Publish a batch; True unless something failed and messages were handed back."""
-        received.inc(len(batch))
+        self._counts.received.inc(len(batch))
         self._in_flight += len(batch)
         try:
             return await self._publish_batch(batch)
@@ -281,7 +290,7 @@ class SqsBridge:
             try:
                 events.append((message, parse_broadcast(message.body)))
             except ProtocolError as exc:
-                poison.inc()
+                self._counts.poison.inc()
                 log.warning(
                     "queue bridge: poison message %s deleted: %s (%s)",
                     message.message_id,
@@ -300,7 +309,7 @@ class SqsBridge:
             # than publishing it a second time.
             claims = await self._dedup.claim(keys, token, 2 * self._visibility)
         except Exception as exc:
-            errors.inc()
+            self._counts.errors.inc()
             log.warning("queue bridge: dedup store unreachable: %s", exc)
             await self._delete(done)
             await self._hand_back([m for m, _ in events], BUSY_RETRY_SECONDS)
@@ -311,7 +320,7 @@ class SqsBridge:
         ok = True
         for (message, event), key, claim in zip(events, keys, claims, strict=True):
             if claim is Claim.DONE:
-                duplicates.inc()
+                self._counts.duplicates.inc()
                 done.append(message)
             elif claim is Claim.BUSY:
                 later.append(message)
@@ -325,12 +334,12 @@ class SqsBridge:
                     )
                 except Exception as exc:
                     ok = False
-                    errors.inc()
+                    self._counts.errors.inc()
                     log.warning("queue bridge: publish of %s failed: %s", message.message_id, exc)
                     unpublished.append(key)
                     later.append(message)
                 else:
-                    published.inc()
+                    self._counts.published.inc()
                     completed.append(key)
                     done.append(message)
         try:
@@ -340,7 +349,7 @@ class SqsBridge:
             # Published but not marked: a redelivery within the visibility
             # timeout finds our claim (BUSY), after it the claim lapsed. The
             # delete below makes a redelivery unlikely.
-            errors.inc()
+            self._counts.errors.inc()
             log.warning("queue bridge: could not mark messages published: %s", exc)
         await self._delete(done)
         if later:
@@ -360,7 +369,7 @@ class SqsBridge:
                     QueueUrl=self.queue_url, Entries=entries
                 )
             except Exception as exc:
-                errors.inc()
+                self._counts.errors.inc()
                 reason = str(exc)
             else:
                 failed = {entry["Id"] for entry in response.get("Failed", [])}
@@ -379,7 +388,7 @@ class SqsBridge:
 
     async def _hand_back(self, messages: Sequence[_Received], seconds: int | None) -> None:
         """Make unpublished messages visible again soon, rather than after the timeout."""
-        handed_back.inc(len(messages))
+        self._counts.handed_back.inc(len(messages))
         delay = seconds if seconds is not None else max(1, round(BACKOFF.delay(3)))
         entries = [
             {"Id": str(i), "ReceiptHandle": m.receipt, "VisibilityTimeout": delay}
@@ -391,5 +400,5 @@ class SqsBridge:
             )
         except Exception as exc:
             # They come back after the visibility timeout instead: later, not lost.
-            errors.inc()
+            self._counts.errors.inc()
             log.warning("queue bridge: could not hand %d messages back: %s", len(messages), exc)

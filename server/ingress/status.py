@@ -21,7 +21,6 @@ from typing import Any
 from aiohttp import web
 
 from server.node import Node
-from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ class History:
 
     def sample(self) -> None:
         now = time.time()
-        events = REGISTRY.value("ap_bus_messages_total")
+        events = self.node.metrics.value("ap_bus_messages_total")
         rate = 0.0
         if self._last is not None and now > self._last[0]:
             rate = (events - self._last[1]) / (now - self._last[0])
@@ -63,6 +62,7 @@ class History:
 
 async def status(node: Node, history: History) -> dict[str, Any]:
     settings = node.settings
+    metrics = node.metrics
     members: list[dict[str, Any]] | None
     try:
         async with asyncio.timeout(2):
@@ -88,22 +88,22 @@ async def status(node: Node, history: History) -> dict[str, Any]:
         "bus": {
             "kind": "redis" if settings.clustered else "memory",
             "connected": node.bus.connected,
-            "reconnects": REGISTRY.get("ap_bus_reconnects_total"),
+            "reconnects": metrics.get("ap_bus_reconnects_total"),
         },
         "store": {
             "kind": settings.store,
             "table": settings.table if settings.store == "dynamodb" else None,
-            "write_backlog": REGISTRY.value("ap_store_write_backlog"),
-            "write_retries": REGISTRY.value("ap_store_write_retries_total"),
+            "write_backlog": metrics.value("ap_store_write_backlog"),
+            "write_retries": metrics.value("ap_store_write_retries_total"),
         },
         "closes": {
-            "slow_consumer": REGISTRY.value("ap_slow_consumers_total"),
-            "rate_limited": REGISTRY.value("ap_flood_closes_total"),
+            "slow_consumer": metrics.value("ap_slow_consumers_total"),
+            "rate_limited": metrics.value("ap_flood_closes_total"),
         },
         "events": {
-            "published": REGISTRY.value("ap_events_published_total"),
-            "received": REGISTRY.value("ap_bus_messages_total"),
-            "frames_sent": REGISTRY.value("ap_frames_sent_total"),
+            "published": metrics.value("ap_events_published_total"),
+            "received": metrics.value("ap_bus_messages_total"),
+            "frames_sent": metrics.value("ap_frames_sent_total"),
         },
         "nodes": members,
         "history": history.as_json(),

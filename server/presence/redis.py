@@ -42,17 +42,11 @@ from server.redis.client import RedisUnavailable
 from server.redis.keys import PRESENCE_NAMESPACE, channel_for
 from server.redis.scripts import ShardScript, for_bus
 from server.runtime.backoff import Backoff
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.store.base import Store
 
 log = logging.getLogger(__name__)
 
-nodes_swept = REGISTRY.counter(
-    "ap_cluster_nodes_presumed_dead_total", "Nodes withdrawn because their heartbeat stopped"
-)
-commits_refused = REGISTRY.counter(
-    "ap_presence_commits_refused_total", "Presence commits refused as fenced or stale"
-)
 
 WRITER_RENEW_SECONDS = 1.0
 """How often the presence writer renews its lease (PresenceWriter's default)."""
@@ -112,7 +106,16 @@ class RedisPresenceBackend:
         heartbeat_ms: int = 2000,
         timeout_ms: int = 10_000,
         lease_ms: int | None = None,
+        metrics: Registry | None = None,
     ) -> None:
+        registry = metrics or Registry()
+        self._nodes_swept = registry.counter(
+            "ap_cluster_nodes_presumed_dead_total",
+            "Nodes withdrawn because their heartbeat stopped",
+        )
+        self._commits_refused = registry.counter(
+            "ap_presence_commits_refused_total", "Presence commits refused as fenced or stale"
+        )
         self._bus = bus
         self._store = store
         self._node_id = node_id
@@ -162,7 +165,7 @@ class RedisPresenceBackend:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, bus: SharedBus, store: Store
+        cls, settings: Settings, bus: SharedBus, store: Store, metrics: Registry | None = None
     ) -> RedisPresenceBackend:
         return cls(
             bus,
@@ -170,6 +173,7 @@ class RedisPresenceBackend:
             node_id=settings.node_id,
             heartbeat_ms=settings.node_heartbeat_ms,
             timeout_ms=settings.node_timeout_ms,
+            metrics=metrics,
         )
 
     def on_presumed_dead(self, callback: Callable[[], None]) -> None:
@@ -270,7 +274,7 @@ class RedisPresenceBackend:
         )
         if result == 1:
             return True
-        commits_refused.inc()
+        self._commits_refused.inc()
         if result == 0:
             self._leading = False
             log.warning("presence commit at seq %d fenced: this node no longer leads", delta.seq)
@@ -373,7 +377,7 @@ class RedisPresenceBackend:
             args=[PRESENCE_NAMESPACE, self._timeout_ms, TOMBSTONE_MS, self._hints, self._node_id],
         )
         for node_id in swept:
-            nodes_swept.inc()
+            self._nodes_swept.inc()
             log.warning(
                 "node %s missed heartbeats for %d ms: its users are withdrawn",
                 node_id.decode(),

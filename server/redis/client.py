@@ -19,8 +19,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from server.redis.shard_pipes import FAILOVER_BACKOFF
-from server.redis.shard_pipes import retries as failover_retries
 from server.runtime.backoff import Retrying
+from server.runtime.metrics import Counter
 
 T = TypeVar("T")
 
@@ -92,7 +92,10 @@ def command_client_for(url: str, *, cluster: bool) -> Any:
 
 
 async def through_failover(
-    call: Callable[[], Awaitable[T]], deadline: float, closing: Callable[[], bool] = lambda: False
+    call: Callable[[], Awaitable[T]],
+    deadline: float,
+    closing: Callable[[], bool] = lambda: False,
+    retries: Counter | None = None,
 ) -> T:
     """Run ``call`` on the command client, retrying while a shard fails over,
     until ``deadline`` (``time.monotonic()``).
@@ -100,7 +103,8 @@ async def through_failover(
     A killed primary refuses connections until its replica is promoted (about
     ``cluster-node-timeout`` plus an election); redis-py then finds the new
     owner by itself. Retrying turns the failover into a delay, not a loss. (The
-    streams and the bus use ``ShardPipes``, which retry the same way.)
+    streams and the bus use ``ShardPipes``, which retry the same way.) Each retry
+    counts on ``retries`` (the bus's ``ap_bus_failover_retries_total``).
     """
     retrying: Retrying | None = None
     while True:
@@ -116,5 +120,6 @@ async def through_failover(
             delay = None if closing() else retrying.next_delay()
             if delay is None:
                 raise
-            failover_retries.inc()
+            if retries is not None:
+                retries.inc()
             await asyncio.sleep(delay)

@@ -54,7 +54,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from server.runtime.backoff import Backoff, Retrying
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +63,6 @@ FAILOVER_BACKOFF = Backoff(first=FAILOVER_RETRY_S, cap=FAILOVER_RETRY_S, jitter=
 """A failover is polled at a steady pace: the promotion's end is what matters, not load."""
 STALL_TIMEOUT_S = 5.0
 """A connection with commands outstanding and no reply for this long is dead."""
-
-retries = REGISTRY.counter(
-    "ap_bus_failover_retries_total",
-    "Redis Cluster commands (SPUBLISH, stream appends) retried during a failover",
-)
-ordered_drops = REGISTRY.counter(
-    "ap_bus_ordered_publish_drops_total",
-    "Redis Cluster publishes given up after the failover deadline (ap:{games})",
-)
 
 _TRANSIENT = (
     RedisClusterException,  # no slot map yet, or a slot not covered
@@ -210,7 +201,17 @@ class ShardPipes:
         *,
         client_name: str | None = None,
         stall_timeout: float = STALL_TIMEOUT_S,
+        metrics: Registry | None = None,
     ) -> None:
+        registry = metrics or Registry()
+        self.retries = registry.counter(
+            "ap_bus_failover_retries_total",
+            "Redis Cluster commands (SPUBLISH, stream appends, scripts) retried during a failover",
+        )
+        self.ordered_drops = registry.counter(
+            "ap_bus_ordered_publish_drops_total",
+            "Redis Cluster publishes given up after the failover deadline (ap:{games})",
+        )
         self._cluster = cluster  # its slot map; the bus refreshes it on every repair
         self._client_name = client_name
         self._stall_timeout = stall_timeout
@@ -269,14 +270,14 @@ class ShardPipes:
                 # The map is right again: resend at once, while there is time.
                 if time.monotonic() >= deadline:
                     raise error
-                retries.inc()
+                self.retries.inc()
                 continue
             if retrying is None:
                 retrying = FAILOVER_BACKOFF.start(deadline=deadline)
             delay = retrying.next_delay()
             if delay is None:
                 raise error
-            retries.inc()
+            self.retries.inc()
             await asyncio.sleep(delay)
             with contextlib.suppress(RedisError, RedisClusterException, OSError):
                 await self._cluster.nodes_manager.initialize()
@@ -360,7 +361,7 @@ class _OrderedPublisher:
                     args = ("SPUBLISH", self._channel, message)
                     await self._pipes.execute(self._slot, args, deadline)
                 except (RedisError, OSError) as exc:
-                    ordered_drops.inc()
+                    self._pipes.ordered_drops.inc()
                     log.warning("SPUBLISH on %s given up: %s", self._channel, exc)
 
     async def close(self) -> None:

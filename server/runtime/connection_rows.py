@@ -11,13 +11,9 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass
 
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.runtime.write_behind import CoalescingFlusher
 from server.store.base import ConnectionRecord, Store
-
-store_write_failures = REGISTRY.counter(
-    "ap_store_write_retries_total", "Connection row writes that failed and were queued again"
-)
 
 UPDATE_CONCURRENCY = 16
 
@@ -70,12 +66,17 @@ def merge(older: RowOp, newer: RowOp) -> RowOp:
 
 
 class ConnectionRegistry:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, metrics: Registry | None = None) -> None:
+        registry = metrics or Registry()
+        failures = registry.counter(
+            "ap_store_write_retries_total",
+            "Connection row writes that failed and were queued again",
+        )
         self._store = store
         self._flusher: CoalescingFlusher[str, RowOp] = CoalescingFlusher(
-            "connection-rows", self._flush, merge, store_write_failures
+            "connection-rows", self._flush, merge, failures
         )
-        REGISTRY.gauge(
+        registry.gauge(
             "ap_store_write_backlog",
             "Connection row operations waiting to be written",
             lambda: float(self._flusher.backlog),

@@ -26,7 +26,7 @@ from protocol.messages import Broadcast, Chat, ChatAck
 from protocol.parse import parse_broadcast
 from server.coordination.game_lock import GameLocks, LockUnavailable
 from server.coordination.rate_limit import RateLimiter
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.services.chat_marks import ChatMarks
 from server.session import Session
 from server.store.base import Store, StoreUnavailable
@@ -36,13 +36,17 @@ log = logging.getLogger(__name__)
 
 RATE_WINDOW_SECONDS = 10.0
 
-comments_stored = REGISTRY.counter("ap_chat_comments_stored_total", "Comments appended")
-comments_refused = REGISTRY.counter(
-    "ap_chat_comments_refused_total", "Chat actions answered with an error frame"
-)
-comments_duplicate = REGISTRY.counter(
-    "ap_chat_duplicates_total", "Chat actions whose clientMsgId was already stored"
-)
+
+class _ChatCounters:
+    def __init__(self, registry: Registry) -> None:
+        self.stored = registry.counter("ap_chat_comments_stored_total", "Comments appended")
+        self.refused = registry.counter(
+            "ap_chat_comments_refused_total", "Chat actions answered with an error frame"
+        )
+        self.duplicate = registry.counter(
+            "ap_chat_duplicates_total", "Chat actions whose clientMsgId was already stored"
+        )
+
 
 Publish = Callable[[Broadcast], Awaitable[object]]
 
@@ -63,7 +67,10 @@ class ChatService:
         limiter: RateLimiter,
         marks: ChatMarks,
         outbox_limit: int,
+        *,
+        metrics: Registry | None = None,
     ) -> None:
+        self._counters = _ChatCounters(metrics or Registry())
         self._store = store
         self._publish = publish
         self._locks = locks
@@ -83,7 +90,7 @@ class ChatService:
         try:
             await self._post(session, user_id, action)
         except ChatRefused as refused:
-            comments_refused.inc()
+            self._counters.refused.inc()
             session.send_error(
                 refused.code, refused.message, self._outbox_limit, action.client_msg_id
             )
@@ -111,9 +118,9 @@ class ChatService:
                     )
                 self._ack(session, action, outcome.time_stamp)
                 if outcome.status is AppendStatus.DUPLICATE:
-                    comments_duplicate.inc()
+                    self._counters.duplicate.inc()
                     return  # stored and announced the first time
-                comments_stored.inc()
+                self._counters.stored.inc()
                 await held.confirm()
                 await self._announce(action, comment)
         except (StoreUnavailable, LockUnavailable) as exc:
