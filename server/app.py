@@ -74,7 +74,7 @@ async def serve_forever(settings: Settings) -> None:
         return
     ws_server, runner, reclaimer = started
     gc.freeze()  # what start-up allocated lives as long as the process
-    pauses = PauseWatch()
+    pauses = PauseWatch(node.metrics)
     pauses.start()
     mode = (
         "cluster node (Redis Cluster bus)"
@@ -111,7 +111,7 @@ async def serve_forever(settings: Settings) -> None:
 
 async def _start(node: Node) -> tuple[Server, web.AppRunner, Reclaimer]:
     await node.start()
-    reclaimer = Reclaimer()
+    reclaimer = Reclaimer(node.metrics)
     try:
         ws_server, runner = await start_listeners(node, reclaimer)
     except BaseException:

@@ -272,7 +272,7 @@ def _validate(settings: Settings) -> None:
     if settings.redis_url is not None and settings.redis_cluster_url is not None:
         raise ConfigError("--redis-url and --redis-cluster-url exclude each other: pick one")
     if settings.redis_cluster_url is not None:
-        from server.bus.redis_cluster_bus import startup_nodes
+        from server.redis.client import startup_nodes
 
         try:
             startup_nodes(settings.redis_cluster_url)

@@ -1,12 +1,11 @@
 """The hub's interface: sessions in and out, ``publish``, ``status()``, and its life.
 
-Every event enters the cluster once, through :meth:`Node.publish` (``game`` and
-``chat`` go to the game's stream, a ``UserEvent`` to each addressed user's
-stream, ``test`` to every node), crosses the bus, and each node picks its own
-recipients from indexes kept up to date on subscribe and watch. The rooms
-behind it: ``routing/`` (indexes, delivery in stream order, recovery),
-``presence/node_presence.py`` (this node's part in presence), ``services/``
-(domain rules, given callables, never the node).
+Every event enters the cluster once, through :meth:`Node.publish` (``game`` and ``chat``
+go to the game's stream, a ``UserEvent`` to each addressed user's stream, ``test`` to
+every node), crosses the bus, and each node picks its own recipients from indexes kept up
+to date on subscribe and watch. The rooms behind it: ``routing/`` (indexes, delivery in
+stream order, recovery), ``presence/node_presence.py`` (this node's part in presence),
+``services/`` (domain rules, given callables, never the node).
 """
 
 from __future__ import annotations
@@ -35,19 +34,18 @@ from server.routing.index import HubIndex, StreamState, kept_stream_state, resto
 from server.routing.recovery import Recovery
 from server.routing.subscribe_batching import SubscribeBatcher
 from server.runtime.connection_rows import ConnectionRegistry
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.runtime.tasks import run_until_unwound
+from server.runtime.write_behind import drained_within
 from server.services import Coordination, Service
 from server.services.bots import BotService
 from server.services.chat import ChatService
 from server.services.chat_marks import ChatMarks
 from server.services.last_seen import LastSeen
-from server.session import Session, close_spread_out, wait_closed
+from server.session import Session, Traffic, close_spread_out, wait_closed
 from server.store.base import Store, ttl_from_now
 
 log = logging.getLogger(__name__)
-
-events_published = REGISTRY.counter("ap_events_published_total", "Events accepted for fan-out")
 
 STOP_DRAIN_SECONDS = 2.0
 """How long a stop waits for queued marks and lastSeen writes to reach the store."""
@@ -65,9 +63,16 @@ class Node:
         authenticator: Authenticator,
         streams: Streams,
         coordination: Coordination,
+        *,
+        metrics: Registry | None = None,
     ) -> None:
-        """The node's parts come chosen (``server.wiring``); it composes its rooms."""
+        """The node's parts come chosen (``server.wiring``); it composes its rooms, each
+        counting on ``metrics``, this node's own registry (``/metrics`` reads it)."""
         self.settings = settings
+        self.metrics = metrics = metrics if metrics is not None else Registry()
+        self.traffic = Traffic(metrics)
+        count = metrics.counter
+        self._published = count("ap_events_published_total", "Events accepted for fan-out")
         self.node_id = settings.node_id
         self.store = store
         self.bus = bus
@@ -75,10 +80,10 @@ class Node:
         self.authenticator = authenticator
         self.streams = streams
         self._outbox_limit = limit = settings.outbox_limit_bytes
-        self.registry = ConnectionRegistry(store)
-        self.index = HubIndex(settings, bus, released=lambda stream: self.delivery.forget(stream))
+        self.registry = ConnectionRegistry(store, metrics)
+        self.index = HubIndex(settings, bus, lambda stream: self.delivery.forget(stream), metrics)
         self.sessions = self.index.sessions
-        self.last_seen = LastSeen(store, coordination.last_seen_claims)
+        self.last_seen = LastSeen(store, coordination.last_seen_claims, metrics)
         self.presence = NodePresence(
             settings,
             presence_backend,
@@ -86,6 +91,7 @@ class Node:
             self.sessions,
             self.index.presence_watchers,
             self.last_seen.seen,
+            metrics,
         )
         self.bots = BotService(
             store,
@@ -94,14 +100,15 @@ class Node:
             subscribe=bus.subscribe,
             watch=self.watch,
             is_open=self.sessions.__contains__,
+            metrics=metrics,
         )
         # Every history read (recovery, repair) goes out in batches.
-        self.history = HistoryReads(streams)
+        self.history = HistoryReads(streams, metrics=metrics)
         self.delivery = StreamDelivery(
-            self.index, self.history, self.presence, self.bots.send_pending_turns, limit
+            self.index, self.history, self.presence, self.bots.send_pending_turns, limit, metrics
         )
-        self.recovery = Recovery(self.history, SubscribeBatcher(bus), limit)
-        self.chat_marks = ChatMarks(store)
+        self.recovery = Recovery(self.history, SubscribeBatcher(bus), limit, metrics)
+        self.chat_marks = ChatMarks(store, metrics)
         self.chat = ChatService(
             store,
             self.publish,
@@ -109,6 +116,7 @@ class Node:
             coordination.chat_limiter,
             self.chat_marks,
             limit,
+            metrics=metrics,
         )
         self.services: list[Service] = []  # started after the node, stopped before it
         self.ready = False
@@ -156,7 +164,8 @@ class Node:
         self.last_seen.start()
         stack.push_async_callback(self.chat_marks.close)
         self.chat_marks.start()
-        stack.push_async_callback(self._let_writes_out)
+        writes = (self.chat_marks, self.last_seen)  # what is queued gets a moment to go out
+        stack.push_async_callback(drained_within, STOP_DRAIN_SECONDS, *writes)
         await self.presence.start(stack)
         ttl_refresh = self.registry.keep_alive(self.sessions, self.settings.ttl_refresh_seconds)
         run_until_unwound(stack, ttl_refresh, "ttl-refresh")
@@ -171,12 +180,11 @@ class Node:
         """Close every session with 1012, spread over ``seconds`` in jittered batches;
         returns how many it closed.
 
-        Closing all at once sends every client to the other nodes in the same
-        second. Each closed user stays reported by this node until its own
-        connection is gone, so one who reconnects elsewhere is never offline in
-        the cluster's view; the presence writer's debounce absorbs the move.
-        The caller has stopped the listener; ``/readyz`` answers 503 from here on.
-        """
+        Closing all at once sends every client to the other nodes in the same second.
+        Each closed user stays reported by this node until its own connection is gone,
+        so one who reconnects elsewhere is never offline in the cluster's view (the
+        writer's debounce absorbs the move). The caller has stopped the listener;
+        ``/readyz`` answers 503 from here on."""
         self.ready = False
         self.draining = True
         sessions = list(self.sessions)
@@ -212,12 +220,6 @@ class Node:
         for session in sessions:
             session.close(CloseCode.SERVICE_RESTART, "server restarting")
         await wait_closed(sessions, 5)
-
-    async def _let_writes_out(self) -> None:
-        """Marks and lastSeen already queued get a moment to reach the store."""
-        for pending in (self.chat_marks, self.last_seen):
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(pending.drained(), STOP_DRAIN_SECONDS)
 
     async def _delete_rows(self) -> None:
         with contextlib.suppress(Exception):
@@ -355,18 +357,17 @@ class Node:
     ) -> dict[str, Position]:
         """The one door into the cluster for every event; returns the positions taken.
 
-        ``game``/``chat`` take the next position of ``game:<meta>#<id>`` (and
-        reach legacy clients through the ``games`` topic in the same step); a
-        ``UserEvent`` takes one in each addressed ``user:<id>``; ``test`` has no
-        stream. When the bus is down, the event is delivered on this node only,
-        unpositioned, and no positions are returned. With ``require_cluster`` it
-        raises instead (:class:`~server.bus.base.BusDown`, or the streams' error):
-        the queue bridge and the notification push then keep the event and retry.
+        ``game``/``chat`` take the next position of ``game:<meta>#<id>`` (and reach legacy
+        clients through the ``games`` topic in the same step); a ``UserEvent`` takes one in
+        each addressed ``user:<id>``; ``test`` has no stream. When the bus is down, the
+        event is delivered on this node only, unpositioned, with no positions returned; with
+        ``require_cluster`` it raises instead (``BusDown``, or the streams' error), so the
+        queue bridge and the notification push keep the event and retry.
 
         ``event_id`` names the event (an SQS MessageId, a notification row's sk):
         a repeat within the id window is not appended again; it answers the first position.
         """
-        events_published.inc()
+        self._published.inc()
         data = encode_envelope(message)
         event = message.event
         if isinstance(event, AdminTest):

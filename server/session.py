@@ -30,21 +30,47 @@ from websockets.protocol import State
 from protocol.codec import Frame
 from protocol.errors import MSGPACK_SUBPROTOCOL, CloseCode, ErrorCode
 from protocol.messages import Broadcast, ErrorMessage, GameKey, Subscribe
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.runtime.token_bucket import TokenBucket
 from server.store.base import ConnectionRecord, ttl_from_now
 
 log = logging.getLogger(__name__)
 
-frames_sent = REGISTRY.counter("ap_frames_sent_total", "Frames written to client sockets")
-slow_consumers = REGISTRY.counter(
-    "ap_slow_consumers_total", "Connections closed because their outbox overflowed"
-)
-
 _ids = itertools.count()
 
 DRAIN_BATCH_SECONDS = 0.1
 """One batch of drain closes per this interval: 100 batches over the default 10 s."""
+
+
+class Traffic:
+    """A node's frame counts: plain attributes, added to on the fan-out path (once
+    per batch) and on every parsed frame, read by the node's registry when scraped."""
+
+    __slots__ = ("flood_closes", "frames_parsed", "frames_sent", "slow_consumers")
+
+    def __init__(self, registry: Registry) -> None:
+        self.frames_sent = 0
+        self.frames_parsed = 0
+        self.slow_consumers = 0
+        self.flood_closes = 0
+        registry.counter_func(
+            "ap_frames_sent_total", "Frames written to client sockets", lambda: self.frames_sent
+        )
+        registry.counter_func(
+            "ap_slow_consumers_total",
+            "Connections closed because their outbox overflowed",
+            lambda: self.slow_consumers,
+        )
+        registry.counter_func(
+            "ap_flood_closes_total",
+            "Connections closed for sending frames faster than their credits",
+            lambda: self.flood_closes,
+        )
+        registry.counter_func(
+            "ap_frames_received_total",
+            "WebSocket frames parsed from clients (data and control)",
+            lambda: self.frames_parsed,
+        )
 
 
 class Session:
@@ -66,6 +92,7 @@ class Session:
         "row_ttl",
         "sync_at",
         "sync_pending",
+        "traffic",
         "user_id",
         "wants_presence",
         "watch_version",
@@ -73,7 +100,9 @@ class Session:
         "ws",
     )
 
-    def __init__(self, ws: ServerConnection, credits: TokenBucket | None = None) -> None:
+    def __init__(
+        self, ws: ServerConnection, credits: TokenBucket | None = None, *, traffic: Traffic
+    ) -> None:
         if ws.protocol.extensions:
             # send_frame writes pre-framed bytes, valid only without extensions.
             raise ValueError("sessions do not support WebSocket extensions")
@@ -89,6 +118,7 @@ class Session:
         self.row_ttl = 0
         self.close_task: asyncio.Task[None] | None = None
         self.credits = credits  # frames this socket may still send (flood control)
+        self.traffic = traffic  # its node's frame counts
         self.deadline: asyncio.TimerHandle | None = None  # closes it if it never subscribes
         self.sync_at = -1e9  # loop time of the last syncPresence answer
         self.sync_pending = False  # an answer is scheduled for the end of that second
@@ -243,6 +273,7 @@ def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> 
     bytes are closed as slow consumers instead; nobody else waits for them.
     """
     sent = 0
+    last = None
     for session in sessions:
         ws = session.ws
         if ws.protocol.state is not State.OPEN or session.close_task is not None:
@@ -256,7 +287,10 @@ def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> 
             continue
         transport.write(frame.binary_wire if session.binary else frame.text_wire)
         sent += 1
-    frames_sent.inc(sent)
+        last = session
+    if last is not None:
+        # Every session written to belongs to one node: count once, on its Traffic.
+        last.traffic.frames_sent += sent
     return sent
 
 
@@ -280,13 +314,13 @@ def send_frames(session: Session, frames: Sequence[Frame], outbox_limit: int) ->
         transport.write(b"".join([frame.binary_wire for frame in frames]))
     else:
         transport.write(b"".join([frame.text_wire for frame in frames]))
-    frames_sent.inc(len(frames))
+    session.traffic.frames_sent += len(frames)
     return True
 
 
 def close_slow_consumer(session: Session) -> None:
     if session.close_task is None:
-        slow_consumers.inc()
+        session.traffic.slow_consumers += 1
         log.info(
             "closing slow consumer %s", session, extra={"connection_id": session.connection_id}
         )
@@ -325,14 +359,6 @@ def kernel_unsent(transport: asyncio.BaseTransport, capacity: int) -> int:
 
 # --- the socket: bounds that apply before any frame reaches the handler --------
 
-flooders = REGISTRY.counter(
-    "ap_flood_closes_total", "Connections closed for sending frames faster than their credits"
-)
-frames_parsed = REGISTRY.counter(
-    "ap_frames_received_total", "WebSocket frames parsed from clients (data and control)"
-)
-
-
 READ_SLICE_BYTES = 4096
 """Incoming bytes are parsed this much at a time, with credits taken in between."""
 
@@ -355,6 +381,7 @@ class GuardedConnection(ServerConnection):
     """
 
     session: Session | None = None
+    traffic: Traffic  # its node's, set by the listener on the class it makes per node
     outbox_limit = 1024 * 1024
     send_buffer_bytes = 0
     flooded = False
@@ -403,7 +430,7 @@ class GuardedConnection(ServerConnection):
             close_slow_consumer(session)
 
     def process_event(self, event: object) -> None:
-        frames_parsed.inc()
+        self.traffic.frames_parsed += 1
         session = self.session
         if (
             session is not None
@@ -422,7 +449,7 @@ class GuardedConnection(ServerConnection):
     def _flooded(self, session: Session) -> None:
         if session.close_task is not None:
             return
-        flooders.inc()
+        self.traffic.flood_closes += 1
         self.flooded = True
         log.info("closing flooder %s", session)
         session.send_error(ErrorCode.RATE_LIMITED, "too many frames: slow down", self.outbox_limit)

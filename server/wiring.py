@@ -20,55 +20,63 @@ from server.coordination.lease import Lease, MemoryLease, RedisLease
 from server.coordination.rate_limit import MemoryRateLimiter
 from server.node import Node
 from server.presence.core import MemoryPresenceBackend
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry, register_process
 from server.services import Coordination
 from server.services.chat import RATE_WINDOW_SECONDS
 from server.store.base import Store
 from server.store.memory import MemoryStore
 
 
-def build_authenticator(settings: Settings) -> Authenticator:
+def build_authenticator(settings: Settings, metrics: Registry | None = None) -> Authenticator:
     cognito = None
     if settings.cognito_issuer is not None and settings.cognito_client_id is not None:
         cognito = CognitoVerifier(
             settings.cognito_issuer,
             settings.cognito_client_id,
-            jwks_source(settings.cognito_issuer, settings.jwks_file),
+            jwks_source(settings.cognito_issuer, settings.jwks_file, metrics),
         )
     bot = None
     if settings.bot_cognito_issuer is not None and settings.bot_scope is not None:
         bot = BotVerifier(
             settings.bot_cognito_issuer,
             settings.bot_scope,
-            jwks_source(settings.bot_cognito_issuer, settings.bot_jwks_file),
+            jwks_source(settings.bot_cognito_issuer, settings.bot_jwks_file, metrics),
         )
     dev = DevVerifier(settings.dev_jwt_secret) if settings.dev_jwt_secret else None
-    return Authenticator(cognito=cognito, dev=dev, bot=bot, cache_size=settings.token_cache_size)
+    return Authenticator(
+        cognito=cognito, dev=dev, bot=bot, cache_size=settings.token_cache_size, metrics=metrics
+    )
 
 
-def build_store(settings: Settings) -> Store:
+def build_store(settings: Settings, metrics: Registry | None = None) -> Store:
     if settings.store == "dynamodb":
         from server.store.dynamodb import DynamoStore
 
         return DynamoStore(
-            table=settings.table, region=settings.region, endpoint_url=settings.dynamodb_endpoint
+            table=settings.table,
+            region=settings.region,
+            endpoint_url=settings.dynamodb_endpoint,
+            metrics=metrics,
         )
     return MemoryStore()
 
 
 async def build_node(settings: Settings, store: Store | None = None) -> Node:
     """A node ready to ``start()``: memory parts by default, shared ones when configured."""
+    metrics = Registry()  # the node's own: every part built here counts on it
+    register_process(metrics)
     if store is None:
-        store = build_store(settings)
-    node = _cluster_node(settings, store) if settings.clustered else _embedded_node(settings, store)
+        store = build_store(settings, metrics)
+    build = _cluster_node if settings.clustered else _embedded_node
+    node = build(settings, store, metrics)
     add_bridges(node, settings)
     return node
 
 
-def _embedded_node(settings: Settings, store: Store) -> Node:
+def _embedded_node(settings: Settings, store: Store, metrics: Registry) -> Node:
     bus = MemoryBus()
     streams = MemoryStreams(bus, settings.stream_limits)
-    REGISTRY.gauge(
+    metrics.gauge(
         "ap_stream_history_bytes",
         "Event bytes kept in the streams' histories (embedded: in this process)",
         streams.history_bytes,
@@ -78,13 +86,14 @@ def _embedded_node(settings: Settings, store: Store) -> Node:
         store,
         bus,
         MemoryPresenceBackend(bus, store, settings.node_id),
-        build_authenticator(settings),
+        build_authenticator(settings, metrics),
         streams,
-        memory_coordination(settings),
+        memory_coordination(settings, metrics),
+        metrics=metrics,
     )
 
 
-def _cluster_node(settings: Settings, store: Store) -> Node:
+def _cluster_node(settings: Settings, store: Store, metrics: Registry) -> Node:
     from server.bus.redis_bus import RedisBus
     from server.bus.redis_cluster_bus import RedisClusterBus
     from server.bus.redis_streams import RedisStreams
@@ -92,21 +101,22 @@ def _cluster_node(settings: Settings, store: Store) -> Node:
 
     bus: RedisBus | RedisClusterBus
     if settings.redis_cluster_url is not None:
-        bus = RedisClusterBus(settings.redis_cluster_url, name=settings.node_id)
+        bus = RedisClusterBus(settings.redis_cluster_url, name=settings.node_id, metrics=metrics)
         streams = RedisStreams.on_cluster(bus, settings.stream_limits)
     else:
         assert settings.redis_url is not None
-        bus = RedisBus(settings.redis_url, name=settings.node_id)
+        bus = RedisBus(settings.redis_url, name=settings.node_id, metrics=metrics)
         streams = RedisStreams(settings.redis_url, settings.stream_limits)
-    backend = RedisPresenceBackend.from_settings(settings, bus, store)
+    backend = RedisPresenceBackend.from_settings(settings, bus, store, metrics)
     node = Node(
         settings,
         store,
         bus,
         backend,
-        build_authenticator(settings),
+        build_authenticator(settings, metrics),
         streams,
-        redis_coordination(settings),
+        redis_coordination(settings, metrics),
+        metrics=metrics,
     )
     # After a Redis reconnect the node reloads presence and re-snapshots its
     # clients; if the cluster presumed it dead, it writes its rows again.
@@ -117,16 +127,16 @@ def _cluster_node(settings: Settings, store: Store) -> Node:
     return node
 
 
-def memory_coordination(settings: Settings) -> Coordination:
+def memory_coordination(settings: Settings, metrics: Registry | None = None) -> Coordination:
     """The services' shared parts when this process is the whole cluster."""
     return Coordination(
-        MemoryGameLocks(),
+        MemoryGameLocks(metrics=metrics),
         MemoryRateLimiter(settings.chat_rate, RATE_WINDOW_SECONDS),
         MemoryClaims(),
     )
 
 
-def redis_coordination(settings: Settings) -> Coordination:
+def redis_coordination(settings: Settings, metrics: Registry | None = None) -> Coordination:
     """The services' cluster-wide parts: per-game chat locks, the chat rate, lastSeen claims.
 
     Their keys carry the hash tag of a game or a user, one key per script, so
@@ -140,7 +150,7 @@ def redis_coordination(settings: Settings) -> Coordination:
     url = settings.redis_cluster_url if sharded else settings.redis_url
     assert url is not None
     return Coordination(
-        RedisGameLocks(url, cluster=sharded),
+        RedisGameLocks(url, cluster=sharded, metrics=metrics),
         RedisRateLimiter(url, "chat", settings.chat_rate, RATE_WINDOW_SECONDS, cluster=sharded),
         RedisClaims(url, "last-seen", cluster=sharded),
     )
@@ -163,6 +173,7 @@ def add_bridges(node: Node, settings: Settings) -> None:
                 pollers=settings.sqs_pollers,
                 wait_seconds=settings.sqs_wait_seconds,
                 visibility_seconds=settings.sqs_visibility_seconds,
+                metrics=node.metrics,
             )
         )
     if settings.notifications_from_stream:
@@ -179,6 +190,7 @@ def add_bridges(node: Node, settings: Settings) -> None:
                 region=settings.region,
                 endpoint_url=settings.dynamodb_endpoint,
                 poll_seconds=settings.stream_poll_ms / 1000,
+                metrics=node.metrics,
             )
         )
 
@@ -191,7 +203,7 @@ def choose_dedup(node: Node, settings: Settings) -> Dedup:
         assert isinstance(node.bus, RedisClusterBus)
         return RedisClusterDedup.on_cluster(node.bus)
     if settings.redis_url is not None:
-        from server.bus.redis_bus import make_client
+        from server.redis.client import make_client
 
         return RedisDedup(make_client(settings.redis_url, retries=1))
     return MemoryDedup()
@@ -210,7 +222,7 @@ def choose_lease(node: Node, settings: Settings, key: str) -> Lease:
 
         assert isinstance(node.bus, RedisClusterBus)
         return RedisLease.on_cluster(node.bus, key, token, lease_ms)
-    from server.bus.redis_bus import make_client
+    from server.redis.client import make_client
 
     assert settings.redis_url is not None
     return RedisLease(make_client(settings.redis_url, retries=1), key, token, lease_ms)

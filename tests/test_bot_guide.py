@@ -21,7 +21,6 @@ import pytest
 
 from apclient import FileStorage
 from protocol.errors import CloseCode
-from server.ingress.websocket import refused_upgrades
 from server.store import BotRecord, CurrentGame, MemoryStore
 from tests.cluster.harness import eventually
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
@@ -95,7 +94,8 @@ async def test_the_guide_example_plays_every_turn_through_refusals_and_reconnect
     positions = tmp_path / "positions.json"
     # The node is full (--max-connections 1): the bot's first upgrade gets HTTP 503.
     holder = await setup.server.subscribed("someone")
-    refused = refused_upgrades.value
+    metrics = node.metrics
+    refused = metrics.value("ap_refused_upgrades_total")
     task = asyncio.create_task(
         example.run_bot(
             setup.server.ws_url,
@@ -108,7 +108,9 @@ async def test_the_guide_example_plays_every_turn_through_refusals_and_reconnect
         )
     )
     try:
-        await eventually(lambda: refused_upgrades.value > refused, 10, "a 503 at upgrade")
+        await eventually(
+            lambda: metrics.value("ap_refused_upgrades_total") > refused, 10, "a 503 at upgrade"
+        )
         assert not task.done(), "the example gave up on a 503"
         await holder.close()
         await eventually(lambda: turns == [("chess", "g1")], 30, "the pending turn")

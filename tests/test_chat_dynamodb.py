@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from protocol.chat import comment_weight
-from server.services.last_seen import writes as last_seen_counter
 from server.store.records import comment_key
 from tests.chat_helpers import post
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
@@ -177,20 +176,20 @@ async def test_dashboard_marks_read_back_with_boto3(
     assert attrs("WATCHED#gone") is None  # no phantom row for a stale index entry
 
 
-def last_seen_writes() -> float:
-    return last_seen_counter.value
+def last_seen_writes(server: RunningServer) -> float:
+    return server.node.metrics.value("ap_last_seen_writes_total")
 
 
 async def test_last_seen_at_most_once_per_quarter_hour(
     dynamo_server: RunningServer, raw: Any, table: str
 ) -> None:
     put(raw, table, "USERS", "alice", name={"S": "Alice"})
-    writes = last_seen_writes()
+    writes = last_seen_writes(dynamo_server)
     alice = await dynamo_server.subscribed("alice")
     await dynamo_server.node.last_seen.drained()
     item = get(raw, table, "USERS", "alice")
     assert item is not None and int(item["lastSeen"]["N"]) > 1_700_000_000_000
-    assert last_seen_writes() == writes + 1
+    assert last_seen_writes(dynamo_server) == writes + 1
     # Stale behind the node's back: repeated syncPresence still writes nothing.
     put(raw, table, "USERS", "alice", name={"S": "Alice"}, lastSeen={"N": "1"})
     for _ in range(20):
@@ -203,7 +202,7 @@ async def test_last_seen_at_most_once_per_quarter_hour(
         "name": {"S": "Alice"},
         "lastSeen": {"N": "1"},
     }
-    assert last_seen_writes() == writes + 1
+    assert last_seen_writes(dynamo_server) == writes + 1
     # A user without a USERS row gets none.
     await dynamo_server.subscribed("ghost")
     await dynamo_server.node.last_seen.drained()

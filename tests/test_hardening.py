@@ -21,8 +21,7 @@ from websockets.frames import Frame as WsFrame
 from websockets.frames import Opcode
 
 from protocol.parse import parse_broadcast
-from server.ingress.websocket import bad_frames
-from server.session import READ_SLICE_BYTES, frames_parsed
+from server.session import READ_SLICE_BYTES
 from tests.client import DEV_SECRET, dev_token
 from tests.conftest import PUBLISH_SECRET, RunningServer
 
@@ -191,14 +190,15 @@ async def test_a_backlog_of_frames_does_not_starve_other_sockets(server: Running
     """With credits to spare, the handler still yields between frames: other work
     (here a task that samples the count of answered frames) runs in between."""
     flooder = await server.subscribed("flooder")
-    start = bad_frames.value
+    metrics = server.node.metrics
+    start = metrics.value("ap_client_errors_total")
     for _ in range(3000):
         flooder.ws.protocol.send_text(json.dumps({"action": "dance"}).encode())
     flooder.ws.send_data()  # all 3,000 frames in the socket in one go
     samples: set[float] = set()
     async with asyncio.timeout(30):
-        while bad_frames.value < start + 3000:
-            samples.add(bad_frames.value)
+        while metrics.value("ap_client_errors_total") < start + 3000:
+            samples.add(metrics.value("ap_client_errors_total"))
             await asyncio.sleep(0)
     # Without a yield per frame, a whole read's worth of frames (thousands) is
     # handled in one go and this task sees a handful of values.
@@ -379,12 +379,12 @@ async def test_a_flood_in_one_read_is_cut_off_where_its_credits_ran_out(
     """The library parses a whole read (up to 256 KiB, thousands of tiny frames)
     before any credit is taken; parsed in slices, the rest is never parsed."""
     flooder = await server.client()
-    start = frames_parsed.value
+    start = server.node.metrics.value("ap_frames_received_total")
     for _ in range(20_000):
         flooder.ws.protocol.send_text(b"{}")
     flooder.ws.send_data()  # 160 KB of 8-byte frames in the socket at once
     assert (await flooder.closed())[0] == 1008
-    parsed = frames_parsed.value - start
+    parsed = server.node.metrics.value("ap_frames_received_total") - start
     credits = server.node.settings.flood_credits
     # The credits, then at most one 4 KiB slice of 8-byte frames; before: whole reads.
     assert credits < parsed <= credits + READ_SLICE_BYTES // 8 + 1

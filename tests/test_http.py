@@ -50,10 +50,12 @@ async def test_unknown_paths_are_404(server: RunningServer) -> None:
 
 async def test_metrics_use_the_prometheus_content_type_and_types() -> None:
     from server.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-    from server.runtime.metrics import REGISTRY
+    from server.runtime.metrics import Registry, register_process
 
     assert METRICS_CONTENT_TYPE.startswith("text/plain; version=0.0.4")
-    text = REGISTRY.render()
+    registry = Registry()
+    register_process(registry)
+    text = registry.render()
     assert "# TYPE process_cpu_seconds_total counter" in text
     assert "# TYPE process_resident_memory_bytes gauge" in text
 

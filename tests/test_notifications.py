@@ -135,6 +135,7 @@ async def test_a_record_published_again_with_no_dedup_trace_is_pushed_once(
         region=TEST_REGION,
         endpoint_url=None,
         poll_seconds=1.0,
+        metrics=pushing.node.metrics,
     )
     assert await next_reader.handle([record]) == 1
     put_notification(raw, stream_table, "alice", 2)

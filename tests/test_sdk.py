@@ -28,7 +28,6 @@ from apclient import (
 )
 from apclient.policy import OVERLOAD_MIN
 from protocol.errors import CloseCode
-from server.ingress.websocket import accepted_upgrades, refused_upgrades
 from server.store import BotRecord, CurrentGame, MemoryStore
 from tests.client import dev_token
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
@@ -256,17 +255,25 @@ async def test_1013_backs_off_with_the_longer_floor(jwks_bot: BotWorld) -> None:
 @pytest.mark.parametrize("server", [{"max_connections": 1}], indirect=True)
 async def test_a_503_at_upgrade_backs_off_with_the_longer_floor(server: RunningServer) -> None:
     holder = await server.subscribed("bob")
-    refused, accepted = refused_upgrades.value, accepted_upgrades.value
+    metrics = server.node.metrics
+
+    def refused_and_accepted() -> tuple[float, float]:
+        return (
+            metrics.value("ap_refused_upgrades_total"),
+            metrics.value("ap_accepted_upgrades_total"),
+        )
+
+    refused, accepted = refused_and_accepted()
     client = sdk(server.ws_url)
     rec = Recorder().attach(client)
     async with client:
         await rec.until(lambda: len(rec.disconnects) == 1, "the refused upgrade")
         assert rec.disconnects[0] == Disconnected(1006, "HTTP 503", True, OVERLOAD_MIN)
         assert client.state == "connecting"
-        assert refused_upgrades.value == refused + 1 and accepted_upgrades.value == accepted
+        assert refused_and_accepted() == (refused + 1, accepted)
         await holder.close()
         await rec.until(lambda: rec.connects == 1, "the connect once the node has room", 30)
-        assert accepted_upgrades.value == accepted + 1
+        assert refused_and_accepted()[1] == accepted + 1
 
 
 async def test_4008_reconnects_recovers_and_warns(

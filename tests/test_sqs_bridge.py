@@ -18,7 +18,6 @@ from typing import Any
 import boto3
 import pytest
 
-from server.runtime.metrics import REGISTRY
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
 from tests.services import DynamoFaultProxy, redis_url_for_tests
@@ -124,7 +123,8 @@ async def test_a_poison_message_is_deleted_and_counted_and_the_rest_flows(
     bridged: RunningServer, dynamodb_endpoint: str, queue: str
 ) -> None:
     watcher = await bridged.subscribed("bob", games=[("chess", "g1")])
-    before = REGISTRY.value("ap_sqs_poison_messages_total")
+    metrics = bridged.node.metrics
+    before = metrics.value("ap_sqs_poison_messages_total")
     for body in (
         "this is not JSON",
         {"verb": "move", "payload": {"meta": "chess", "id": "g1"}},  # unknown verb
@@ -136,7 +136,7 @@ async def test_a_poison_message_is_deleted_and_counted_and_the_rest_flows(
     )
     await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
     await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
-    assert REGISTRY.value("ap_sqs_poison_messages_total") - before == 3
+    assert metrics.value("ap_sqs_poison_messages_total") - before == 3
     assert len(game_events(watcher)) == 1
 
 
@@ -157,14 +157,14 @@ async def test_a_message_delivered_again_reaches_each_client_once(
     try:
         async with run_server(settings) as running:
             watcher = await running.subscribed("bob", games=[("chess", "g1")])
-            duplicates = REGISTRY.value("ap_sqs_duplicates_total")
+            duplicates = running.node.metrics.value("ap_sqs_duplicates_total")
             proxy.fail_operation("DeleteMessageBatch", 3)  # every attempt of the first delete
             body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 1}}
             await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
             await eventually(
                 lambda: queue_depth(dynamodb_endpoint, queue) == 0, 15, "the redelivery deleted"
             )
-            assert REGISTRY.value("ap_sqs_duplicates_total") - duplicates == 1
+            assert running.node.metrics.value("ap_sqs_duplicates_total") - duplicates == 1
             await watcher.barrier()
             assert game_events(watcher) == [{"meta": "chess", "id": "g1", "n": 1}]
             assert proxy.count("DeleteMessageBatch") >= 4
@@ -186,14 +186,17 @@ async def test_sqs_down_then_back_loses_nothing(dynamodb_endpoint: str, queue: s
     try:
         async with run_server(settings) as running:
             watcher = await running.subscribed("bob", games=[("chess", "g1")])
-            errors = REGISTRY.value("ap_sqs_errors_total")
+            metrics = running.node.metrics
+            errors = metrics.value("ap_sqs_errors_total")
             proxy.fail_all("ServiceUnavailable", 503)
             await asyncio.sleep(1.5)  # long polls already inside moto end first
             for n in range(20):
                 body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": n}}
                 await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
             await asyncio.sleep(1.5)
-            assert REGISTRY.value("ap_sqs_errors_total") > errors  # it did try, and failed
+            assert (
+                running.node.metrics.value("ap_sqs_errors_total") > errors
+            )  # it did try, and failed
             assert game_events(watcher) == []
             assert running.node.ready  # clients stay connected meanwhile
             proxy.recover()
@@ -263,9 +266,9 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
     delete). Its claim expires, the message comes back and the bridge publishes it
     again: the append remembers the MessageId, so clients get each event once."""
     from protocol.parse import parse_broadcast
-    from server.bus.redis_bus import make_client
     from server.coordination.dedup import Claim, RedisDedup
     from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
+    from server.redis.client import make_client
 
     # Names of this test's own: .ci/run shares one Redis between tests, and the
     # offsets asserted below count from the stream's first event.
@@ -300,7 +303,6 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
                 )
             await doomed.close()
             await asyncio.sleep(1.2)  # visibility and claim both expired: the kill window
-            published = REGISTRY.value("ap_sqs_messages_published_total")
             bridge = SqsBridge(
                 running.node.publish,
                 running.node.bus,
@@ -312,14 +314,16 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
                 pollers=1,
                 wait_seconds=1,
                 visibility_seconds=2,
+                metrics=running.node.metrics,
             )
+            published = running.node.metrics.value("ap_sqs_messages_published_total")
             await bridge.start()
             try:
                 await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 15, "empty")
             finally:
                 await bridge.stop()
             # The second consumer did publish both again...
-            assert REGISTRY.value("ap_sqs_messages_published_total") - published == 2
+            assert running.node.metrics.value("ap_sqs_messages_published_total") - published == 2
             status, reply = await running.publish(
                 {"verb": "game", "payload": {"meta": "chess", "id": game, "n": 2}}
             )

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from server.bus.redis_bus import make_client
 from server.coordination.lease import Lease, MemoryLease, RedisLease
 from server.ingress.table_stream import (
     Plan,
@@ -25,6 +24,7 @@ from server.ingress.table_stream import (
     TableStreamReader,
     plan_shards,
 )
+from server.redis.client import make_client
 from server.store.base import ShardCheckpoint
 from server.store.dynamodb import DynamoStore
 from tests.conftest import TEST_REGION, new_table

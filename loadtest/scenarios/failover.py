@@ -29,7 +29,7 @@ from loadtest.clients.http import HttpConnection
 from loadtest.harness.redis_cluster import RedisCluster
 from loadtest.harness.servers import HOST, Proc
 from loadtest.harness.worker import mint_token
-from server.bus.redis_bus import channel_for
+from server.redis.keys import channel_for
 
 
 @dataclass

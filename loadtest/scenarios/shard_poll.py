@@ -33,7 +33,8 @@ from redis.asyncio.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
 
 from loadtest.harness.redis_cluster import RedisCluster, start_redis_cluster
-from server.bus.redis_cluster_bus import RedisClusterBus, make_cluster_client
+from server.bus.redis_cluster_bus import RedisClusterBus
+from server.redis.client import make_cluster_client
 
 Receive = Callable[[], Awaitable[str | None]]
 Closer = Callable[[], Awaitable[None]]

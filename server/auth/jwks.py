@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import aiohttp
 import jwt
 
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,6 @@ MAX_AGE_SECONDS = 3600.0
 """Keys older than this are refreshed on the next token (kept if that fails)."""
 
 FETCH_TIMEOUT_SECONDS = 5.0
-
-fetches = REGISTRY.counter("ap_jwks_fetches_total", "JWKS documents requested from an issuer")
-fetch_failures = REGISTRY.counter(
-    "ap_jwks_fetch_failures_total", "JWKS requests that failed (cached keys kept)"
-)
 
 
 class UnknownKey(Exception):
@@ -93,7 +88,15 @@ class HttpJwks:
         max_age: float = MAX_AGE_SECONDS,
         timeout: float = FETCH_TIMEOUT_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Registry | None = None,
     ) -> None:
+        registry = metrics or Registry()
+        self._fetches = registry.counter(
+            "ap_jwks_fetches_total", "JWKS documents requested from an issuer"
+        )
+        self._fetch_failures = registry.counter(
+            "ap_jwks_fetch_failures_total", "JWKS requests that failed (cached keys kept)"
+        )
         self.url = url
         self._cooldown = cooldown
         self._max_age = max_age
@@ -141,11 +144,11 @@ class HttpJwks:
                 return  # another token fetched while this one waited: use its result
             self._attempts += 1
             self._attempted_at = self._clock()
-            fetches.inc()
+            self._fetches.inc()
             try:
                 keys = parse_jwks(await self._get())
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                fetch_failures.inc()
+                self._fetch_failures.inc()
                 self._error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 log.warning(
                     "JWKS fetch from %s failed (%s); keeping %d cached keys",
@@ -172,8 +175,8 @@ class HttpJwks:
             self._http = None
 
 
-def jwks_source(issuer: str, path: Path | None) -> JwksSource:
+def jwks_source(issuer: str, path: Path | None, metrics: Registry | None = None) -> JwksSource:
     """The pool's keys: from ``path`` when given, else from the issuer's JWKS URL."""
     if path is not None:
         return FileJwks(path)
-    return HttpJwks(f"{issuer.rstrip('/')}/.well-known/jwks.json")
+    return HttpJwks(f"{issuer.rstrip('/')}/.well-known/jwks.json", metrics=metrics)

@@ -20,15 +20,11 @@ import jwt
 
 from server.auth.jwks import JwksSource, JwksUnavailable, UnknownKey
 from server.auth.token_cache import TokenCache
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 
 CLOCK_SKEW_SECONDS = 30
 
 IdentityKind = Literal["human", "bot"]
-
-token_cache_hits = REGISTRY.counter(
-    "ap_token_cache_hits_total", "Tokens accepted from the verified-token cache"
-)
 
 
 class AuthError(Exception):
@@ -128,7 +124,11 @@ class Authenticator:
         dev: DevVerifier | None,
         bot: BotVerifier | None = None,
         cache_size: int = 0,
+        metrics: Registry | None = None,
     ) -> None:
+        self._cache_hits = (metrics or Registry()).counter(
+            "ap_token_cache_hits_total", "Tokens accepted from the verified-token cache"
+        )
         self._cognito = cognito
         self._dev = dev
         self._bot = bot
@@ -141,7 +141,7 @@ class Authenticator:
     async def verify(self, token: str) -> Identity:
         identity = self.cache.get(token)
         if identity is not None:
-            token_cache_hits.inc()
+            self._cache_hits.inc()
             return identity
         identity = await self._verify(token)
         if self.cache.size > 0:

@@ -18,111 +18,60 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from server.bus.base import BusDown, MessageHandler
-from server.bus.topics import PRESENCE, PRESENCE_HINTS
-from server.runtime.metrics import REGISTRY
+from server.redis.client import RedisUnavailable, make_client
+from server.redis.keys import channel_for
+from server.runtime.backoff import Backoff
+from server.runtime.metrics import Counter, Registry
 
 log = logging.getLogger(__name__)
-
-reconnects = REGISTRY.counter("ap_bus_reconnects_total", "Times the Redis subscriber reconnected")
-local_only = REGISTRY.counter(
-    "ap_bus_local_only_publishes_total",
-    "Publishes delivered to this node only, because Redis was unreachable",
-)
-
-PRESENCE_NAMESPACE = "ap:{presence}:"
-"""Every presence key and channel shares the ``{presence}`` hash tag: one Redis
-Cluster slot, so the writer's Lua scripts can touch all of them and publish."""
 
 ReconnectCallback = Callable[[], None]
 """Called on the reader task after a reconnect, before any new message is delivered."""
 
 
-class BusUnavailable(ConnectionError):
-    """Redis could not be reached at start-up within the allowed time."""
-
-
-class SharedBus(Protocol):
-    """What cluster presence needs from a Redis-backed bus (one Redis or a cluster)."""
-
-    url: str
-    sharded: bool
-    """True on a Redis Cluster: scripts publish with SPUBLISH."""
-
-    @property
-    def connected(self) -> bool: ...
-
-    @property
-    def connected_since(self) -> float: ...
-
-    def on_reconnect(self, callback: ReconnectCallback) -> None: ...
-
-    def command_client(self) -> Any:
-        """A new command client (``redis.asyncio.Redis`` or ``RedisCluster``)."""
-
-
-def channel_for(topic: str) -> str:
-    """The Redis channel of a bus topic.
-
-    Presence channels live under the ``{presence}`` hash tag with the presence
-    keys. Every other topic is its own hash tag (``ap:{game:chess#g1}``), so
-    under sharded pub/sub each game is one slot, spread over the shards, and
-    any per-game key added later (``ap:{game:chess#g1}:log``) lands beside it.
-    """
-    if topic == PRESENCE:
-        return PRESENCE_NAMESPACE + "deltas"
-    if topic == PRESENCE_HINTS:
-        return PRESENCE_NAMESPACE + "hints"
-    return "ap:{" + topic + "}"
-
-
-def make_client(
-    url: str, *, retries: int = 1, max_connections: int = 32, client_name: str | None = None
-) -> aioredis.Redis:
-    """A command client that fails fast instead of hanging while Redis is away.
-
-    Callers beyond ``max_connections`` wait for a free connection (up to the
-    socket timeout) rather than fail.
-    """
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=5.0,
-        socket_connect_timeout=2.0,
-        socket_timeout=5.0,
-        health_check_interval=0,
-        retry=Retry(NoBackoff(), retries),
-        client_name=client_name,
-    )
-    client: aioredis.Redis = aioredis.Redis.from_pool(pool)
-    return client
+class BusUnavailable(RedisUnavailable):
+    """The bus's Redis could not be reached at start-up within the allowed time."""
 
 
 class LocalDelivery:
     """What both Redis buses do with their own node's handler.
 
-    Subclasses set ``_handler`` and ``_topics``; a publish that cannot reach
-    Redis still reaches this node's subscribers, on a later loop turn as a
-    network bus would deliver it.
+    Subclasses set ``_handler`` and ``_topics`` and call :meth:`_count_on`; a
+    publish that cannot reach Redis still reaches this node's subscribers, on a
+    later loop turn as a network bus would deliver it.
     """
 
     _handler: MessageHandler | None
     _topics: set[str]
+    _local_only: Counter
+
+    def _count_on(self, registry: Registry) -> None:
+        """What both buses report: local-only publishes, and whether they are connected."""
+        self._local_only = registry.counter(
+            "ap_bus_local_only_publishes_total",
+            "Publishes delivered to this node only, because Redis was unreachable",
+        )
+        registry.gauge("ap_bus_connected", "1 while the Redis bus is connected", self._gauge)
+
+    def _gauge(self) -> float:
+        return 1.0 if self.connected else 0.0
+
+    @property
+    def connected(self) -> bool:
+        raise NotImplementedError
 
     def _deliver_here_only(self, topic: str, data: bytes) -> None:
-        local_only.inc()
+        self._local_only.inc()
         if topic in self._topics:
             asyncio.get_running_loop().call_soon(self._deliver_local, topic, data)
 
@@ -151,7 +100,13 @@ class RedisBus(LocalDelivery):
         keepalive: float = 5.0,
         max_backoff: float = 2.0,
         name: str | None = None,
+        metrics: Registry | None = None,
     ) -> None:
+        registry = metrics or Registry()
+        self._count_on(registry)
+        self._reconnects = registry.counter(
+            "ap_bus_reconnects_total", "Times the Redis subscriber reconnected"
+        )
         self.url = url
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive
@@ -176,10 +131,6 @@ class RedisBus(LocalDelivery):
         self._callbacks: list[ReconnectCallback] = []
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
-        REGISTRY.gauge("ap_bus_connected", "1 while the Redis bus is connected", self._gauge)
-
-    def _gauge(self) -> float:
-        return 1.0 if self.connected else 0.0
 
     @property
     def connected(self) -> bool:
@@ -303,14 +254,14 @@ class RedisBus(LocalDelivery):
     # --- the reader ---------------------------------------------------------
 
     async def _run(self) -> None:
-        failures = 0
+        retrying = Backoff(first=0.1, cap=self._max_backoff).start()
         while not self._closing:
             pubsub = self._sub_client.pubsub()
             try:
                 backlog = await self._attach(pubsub)
-                failures = 0
+                retrying.reset()
                 if self._ever_attached:
-                    reconnects.inc()
+                    self._reconnects.inc()
                     self._reconnected_at = self._connected_since
                     log.info("Redis bus reconnected; %d topics subscribed", len(self._topics))
                     for callback in self._callbacks:
@@ -323,15 +274,13 @@ class RedisBus(LocalDelivery):
                     self._dispatch(message)
                 await self._read(pubsub)
             except Exception as exc:  # any failure means: start over on a fresh connection
-                if failures == 0:
+                if retrying.failures == 0:
                     log.warning("Redis bus connection lost: %s", exc or type(exc).__name__)
             finally:
                 self._detach()
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
-            failures += 1
-            delay = min(self._max_backoff, 0.05 * 2 ** min(failures, 10))
-            await asyncio.sleep(random.uniform(delay / 2, delay))
+            await retrying.wait()
 
     async def _attach(self, pubsub: PubSub) -> list[dict[str, Any]]:
         """Subscribe every topic on a fresh connection; return messages read meanwhile."""

@@ -1,6 +1,6 @@
 """Redis Cluster bus: sharded pub/sub, one reader per shard.
 
-Every topic keeps the channel name of :func:`~server.bus.redis_bus.channel_for`;
+Every topic keeps the channel name of :func:`~server.redis.keys.channel_for`;
 its hash tag decides the slot, and so the shard (primary) that carries it.
 ``SPUBLISH`` goes to that shard only, and a node holds one ``SSUBSCRIBE``
 connection per primary that owns a slot it listens to.
@@ -32,15 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from collections.abc import Iterable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
@@ -48,121 +45,17 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from server.bus.base import BusDown, MessageHandler
-from server.bus.redis_bus import (
-    BusUnavailable,
-    LocalDelivery,
-    ReconnectCallback,
-    channel_for,
-    make_client,
-)
-from server.redis.shard_pipes import FAILOVER_RETRY_S, ShardPipes
-from server.redis.shard_pipes import retries as failover_retries
-from server.runtime.metrics import REGISTRY
+from server.bus.redis_bus import BusUnavailable, LocalDelivery, ReconnectCallback
+from server.redis.client import make_cluster_client, startup_nodes
+from server.redis.keys import channel_for
+from server.redis.shard_pipes import ShardPipes
+from server.runtime.backoff import Backoff
+from server.runtime.metrics import Registry
 
 log = logging.getLogger(__name__)
-
-shard_losses = REGISTRY.counter(
-    "ap_bus_shard_losses_total", "Times a Redis Cluster shard subscription connection was lost"
-)
-MAX_CONNECTIONS = 64
-"""Per cluster node, for the command clients of the services (presence, chat
-locks, rate limits); redis-py's cluster pool raises instead of waiting when
-it is exhausted."""
-
-
-def startup_nodes(url: str) -> list[ClusterNode]:
-    """Seed nodes from ``redis://h1:p1[,redis://h2:p2...]`` (or bare ``h:p`` entries)."""
-    nodes = []
-    for part in url.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        parsed = urlsplit(part if "://" in part else "redis://" + part)
-        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
-            raise ValueError(f"not a Redis Cluster node URL: {part!r}")
-        nodes.append(ClusterNode(parsed.hostname, parsed.port or 6379))
-    if not nodes:
-        raise ValueError("--redis-cluster-url names no node")
-    return nodes
-
-
-def make_cluster_client(url: str, *, max_connections: int = MAX_CONNECTIONS) -> RedisCluster:
-    """A command client for the cluster that follows MOVED and failovers."""
-    return RedisCluster(
-        startup_nodes=startup_nodes(url),
-        max_connections=max_connections,
-        socket_connect_timeout=1.0,
-        socket_timeout=5.0,
-        health_check_interval=0,
-        retry=Retry(NoBackoff(), 3),
-    )
-
-
-class ShardScript:
-    """A Lua script on a Redis Cluster: ``EVALSHA``, and ``EVAL`` when the shard lacks it.
-
-    redis-py's ``register_script`` answers ``NOSCRIPT`` with ``SCRIPT LOAD`` on
-    every primary; many callers doing that at once (a fresh client, a replica
-    just promoted) broke connections under each other's commands, and the
-    client's retries then ran scripts twice. ``NOSCRIPT`` means the script did
-    not run, so ``EVAL`` (which caches it on that shard) is safe to send.
-    """
-
-    def __init__(self, client: Any, script: str) -> None:
-        self.client = client
-        self.script = script
-        self.sha = hashlib.sha1(script.encode()).hexdigest()
-
-    async def __call__(self, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
-        try:
-            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await self.client.eval(self.script, len(keys), *keys, *args)
-
-
-T = TypeVar("T")
-
-
-async def through_failover(
-    call: Callable[[], Awaitable[T]], deadline: float, closing: Callable[[], bool] = lambda: False
-) -> T:
-    """Run ``call`` on the command client, retrying while a shard fails over,
-    until ``time.monotonic() > deadline``.
-
-    A killed primary refuses connections until its replica is promoted (about
-    ``cluster-node-timeout`` plus an election); redis-py then finds the new
-    owner by itself. Retrying turns the failover into a delay, not a loss. (The
-    streams and the bus use ``ShardPipes``, which retry the same way.)
-    """
-    while True:
-        try:
-            return await call()
-        except (RedisError, OSError, AttributeError, RuntimeError):
-            # redis-py 8.1's cluster client re-reads the slot map after a node
-            # fails and closes connections that other commands are about to
-            # write on ("handler is closed", a None writer): nothing was sent,
-            # so those are retried like a refused connection.
-            if closing() or time.monotonic() + FAILOVER_RETRY_S > deadline:
-                raise
-            failover_retries.inc()
-            await asyncio.sleep(FAILOVER_RETRY_S)
-
-
-def script_for(client: Any, source: str) -> Any:
-    """A callable script (``await script(keys=[...], args=[...])``) on one Redis or a cluster."""
-    if isinstance(client, RedisCluster):
-        return ShardScript(client, source)
-    return client.register_script(source)
-
-
-def command_client_for(url: str, *, cluster: bool) -> Any:
-    """A command client for a service: on a Redis Cluster (``--redis-cluster-url``) or one Redis."""
-    if cluster:
-        return make_cluster_client(url)
-    return make_client(url, retries=1)
 
 
 def _by_slot(channels: Iterable[str]) -> list[list[str]]:
@@ -328,8 +221,15 @@ class RedisClusterBus(LocalDelivery):
         max_backoff: float = 1.0,
         publish_deadline: float = 10.0,
         name: str | None = None,
+        metrics: Registry | None = None,
     ) -> None:
         startup_nodes(url)  # fail on a bad URL now, not in the reader
+        registry = metrics or Registry()
+        self._count_on(registry)
+        self._shard_losses = registry.counter(
+            "ap_bus_shard_losses_total",
+            "Times a Redis Cluster shard subscription connection was lost",
+        )
         self.url = url
         # Named (``ap-sub:<node>``) so an operator, or a test, can find it in CLIENT LIST.
         self.client_name = f"ap-sub:{name}" if name else None
@@ -340,7 +240,9 @@ class RedisClusterBus(LocalDelivery):
         self._client = make_cluster_client(url)
         # Publishes and stream scripts: one pipelined connection per primary,
         # routed by this client's slot map (the one the readers follow).
-        self.pipes = ShardPipes(self._client, client_name=f"ap-cmd:{name}" if name else None)
+        self.pipes = ShardPipes(
+            self._client, client_name=f"ap-cmd:{name}" if name else None, metrics=registry
+        )
         self._handler: MessageHandler | None = None
         self._topics: set[str] = set()
         self._by_channel: dict[bytes, str] = {}
@@ -353,10 +255,6 @@ class RedisClusterBus(LocalDelivery):
         self._dirty = False  # topics changed while a repair was under way
         self._callbacks: list[ReconnectCallback] = []
         self._closing = False
-        REGISTRY.gauge("ap_bus_connected", "1 while the Redis bus is connected", self._gauge)
-
-    def _gauge(self) -> float:
-        return 1.0 if self.connected else 0.0
 
     @property
     def connected(self) -> bool:
@@ -559,7 +457,7 @@ class RedisClusterBus(LocalDelivery):
         if self._closing or shard.dead:
             return
         shard.dead = True
-        shard_losses.inc()
+        self._shard_losses.inc()
         log.warning("Redis Cluster shard %s lost: %s", shard.name, exc or type(exc).__name__)
         if self._shards.get(shard.name) is shard:
             del self._shards[shard.name]
@@ -574,7 +472,7 @@ class RedisClusterBus(LocalDelivery):
 
     async def _repair_loop(self, *, first: bool) -> None:
         """Refresh the slot map and resubscribe until every channel has a live owner."""
-        failures = 0
+        retrying = Backoff(first=0.1, cap=self._max_backoff).start()
         while not self._closing:
             try:
                 async with self._lock:
@@ -605,15 +503,13 @@ class RedisClusterBus(LocalDelivery):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                failures += 1
-                if failures == 1:
+                if retrying.failures == 0:
                     log.warning("Redis Cluster bus not ready yet: %s", exc or type(exc).__name__)
                 # Drop shards that did not attach, so the next pass starts clean.
                 for shard in list(self._shards.values()):
                     if not shard.attached:
                         await self._drop(shard)
-            delay = min(self._max_backoff, 0.05 * 2 ** min(failures, 10))
-            await asyncio.sleep(random.uniform(delay / 2, delay))
+            await retrying.wait()
 
     # --- delivery -----------------------------------------------------------
 

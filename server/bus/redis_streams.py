@@ -12,10 +12,10 @@ them in one Redis Cluster slot:
 - ``ap:{s}:id:<event id>``: for an append that names its event, the position it
   took (``<epoch>:<offset>``); expires ``event_id_ttl`` (15 min) after it.
 
-``APPEND`` (below) creates the epoch if the meta is gone (a new epoch starts
-at offset 1 and drops any old history), takes the next offset with
-``HINCRBY``, appends with an exact ``MAXLEN``, refreshes both ttls and
-publishes the positioned message on each channel given. Redis runs scripts one
+``APPEND`` (``lua/stream_append.lua``) creates the epoch if the meta is gone
+(a new epoch starts at offset 1 and drops any old history), takes the next
+offset with ``HINCRBY``, appends with an exact ``MAXLEN``, refreshes both ttls
+and publishes the positioned message on each channel given. Redis runs scripts one
 at a time, so positions are assigned and published in one order for everyone.
 Given an event id it first looks for the id key: if there, it returns the
 position stored in it and does nothing else; if not, it appends and sets it.
@@ -46,64 +46,16 @@ from redis.crc import key_slot
 from protocol.envelope import encode_positioned
 from protocol.messages import Position
 from protocol.streams import HistoryRead
-from server.bus.redis_bus import channel_for, make_client
 from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.streams import DEFAULT_LIMITS, Append, HistoryAsk, StreamLimits, new_epoch
-from server.presence.scripts import for_bus
+from server.redis.client import make_client
 from server.redis.coalesce import ScriptCoalescer
+from server.redis.keys import channel_for
+from server.redis.scripts import for_bus, lua
 from server.redis.shard_pipes import Script, ShardPipes
 
-APPEND = """
-if KEYS[3] then
-  local seen = redis.call('GET', KEYS[3])
-  if seen then
-    local colon = string.find(seen, ':', 1, true)
-    return {string.sub(seen, 1, colon - 1), tonumber(string.sub(seen, colon + 1)), 1}
-  end
-end
-local epoch = redis.call('HGET', KEYS[1], 'e')
-if not epoch then
-  epoch = ARGV[5]
-  redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[1], 'e', epoch, 's', 0)
-end
-local offset = redis.call('HINCRBY', KEYS[1], 's', 1)
-redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], offset .. '-0', 'd', ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-if KEYS[3] then
-  redis.call('SET', KEYS[3], epoch .. ':' .. offset, 'EX', ARGV[6])
-end
-local message = '\\0' .. epoch .. '\\0' .. offset .. '\\0' .. ARGV[1]
-for i = 7, #ARGV do
-  redis.call('PUBLISH', ARGV[i], message)
-end
-return {epoch, offset}
-"""
-"""KEYS: meta, history, and the event id's key if the append names its event.
-ARGV: envelope, history size, history ttl s, meta ttl s, epoch to use if the
-stream has none, event id ttl s, then the channels to publish on.
-Returns {epoch, offset}, and a third element, 1, if the event id was a repeat."""
-
-READ = """
-local epoch = redis.call('HGET', KEYS[1], 'e')
-if not epoch then
-  epoch = ARGV[3]
-  redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[1], 'e', epoch, 's', 0)
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
-  return {epoch, 0, {}}
-end
-local top = tonumber(redis.call('HGET', KEYS[1], 's'))
-local after = tonumber(ARGV[1])
-local entries = {}
-if after < top then
-  entries = redis.call('XRANGE', KEYS[2], (after + 1) .. '-0', '+', 'COUNT', ARGV[2])
-end
-return {epoch, top, entries}
-"""
-"""KEYS: meta, history. ARGV: after, most entries, epoch to create if none, meta ttl s.
-Position and entries are read in one step, so they agree."""
+APPEND = lua("server.bus", "stream_append")
+READ = lua("server.bus", "stream_read")
 
 
 def meta_key(stream: str) -> str:

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from server.bus.redis_cluster_bus import command_client_for
+from server.redis.client import command_client_for
 
 
 class Claims(Protocol):

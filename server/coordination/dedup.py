@@ -24,11 +24,16 @@ import enum
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis.asyncio as aioredis
 
-from server.bus.redis_cluster_bus import RedisClusterBus, ShardScript, through_failover
+from server.redis.client import through_failover
+from server.redis.scripts import ShardScript, lua
+from server.runtime.metrics import Counter
+
+if TYPE_CHECKING:
+    from server.bus.redis_cluster_bus import RedisClusterBus
 
 
 class Claim(enum.Enum):
@@ -119,23 +124,8 @@ class MemoryDedup:
         self._entries.clear()
 
 
-_CLAIM = """
--- KEYS: the key.  ARGV: pending value, pending ttl ms.
--- 1 claimed (or already ours: extended), 0 done, -1 claimed by another.
-local value = redis.call('GET', KEYS[1])
-if not value or value == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-if value == 'd' then return 0 end
-return -1
-"""
-
-_RELEASE = """
--- KEYS: the key.  ARGV: pending value.
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+_CLAIM = lua("server.coordination", "dedup_claim")
+_RELEASE = lua("server.coordination", "release")
 
 _CLAIM_RESULTS = {1: Claim.CLAIMED, 0: Claim.DONE, -1: Claim.BUSY}
 
@@ -210,9 +200,12 @@ class RedisClusterDedup:
     """Calls at once per instance: below the cluster client's per-node pool, which
     raises instead of waiting when it runs out."""
 
-    def __init__(self, client: Any, *, failover_seconds: float = 10.0) -> None:
+    def __init__(
+        self, client: Any, *, failover_seconds: float = 10.0, retries: Counter | None = None
+    ) -> None:
         self._client = client
         self._failover_seconds = failover_seconds
+        self._retries = retries
         self._claim = ShardScript(client, _CLAIM)
         self._release = ShardScript(client, _RELEASE)
         self._slots = asyncio.Semaphore(self.MAX_IN_FLIGHT)
@@ -222,7 +215,11 @@ class RedisClusterDedup:
     @classmethod
     def on_cluster(cls, bus: RedisClusterBus) -> RedisClusterDedup:
         """On the Redis Cluster of ``bus``, with a command client of its own."""
-        return cls(bus.command_client(), failover_seconds=bus.publish_deadline)
+        return cls(
+            bus.command_client(),
+            failover_seconds=bus.publish_deadline,
+            retries=bus.pipes.retries,
+        )
 
     async def _ready(self) -> None:
         # The slot map and first connections before any concurrent use: a fresh
@@ -241,7 +238,7 @@ class RedisClusterDedup:
 
         async def bounded(call: Callable[[], Awaitable[Any]]) -> Any:
             async with self._slots:
-                return await through_failover(call, deadline)
+                return await through_failover(call, deadline, retries=self._retries)
 
         return await asyncio.gather(*(bounded(call) for call in calls), return_exceptions=True)
 

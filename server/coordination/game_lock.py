@@ -4,8 +4,8 @@ Chat must store comments in the same order as their events' stream positions.
 The append (DynamoDB) and the publish (the bus, which assigns the position) are
 two systems, so the service holds a per-game lock around both: whoever appends
 next also publishes next. On one node an ``asyncio.Lock`` per game is enough;
-in a cluster a Redis lease (``SET NX PX``) is taken as well, renewed while held,
-and released only by its holder (compare-and-delete in Lua).
+in a cluster the game's lease (:mod:`server.coordination.lease`) is taken as
+well, renewed while held, and released only by its holder.
 
 The lease is what bounds the damage of a holder that stalls: past the lease,
 another node may go ahead. The holder therefore checks and extends its lease
@@ -19,31 +19,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from server.bus.redis_cluster_bus import command_client_for, script_for
-from server.runtime.metrics import REGISTRY
+from server.coordination.lease import (
+    Lease,
+    LeaseState,
+    LeaseTable,
+    MemoryLease,
+    RedisLease,
+    new_token,
+)
+from server.redis.client import command_client_for
+from server.runtime.backoff import Backoff
+from server.runtime.metrics import Counter, Registry
 
 log = logging.getLogger(__name__)
-
-locks_lost = REGISTRY.counter(
-    "ap_game_lock_lost_total", "Per-game chat leases found expired before the publish"
-)
-lock_timeouts = REGISTRY.counter(
-    "ap_game_lock_timeouts_total", "Per-game chat locks not obtained within the wait"
-)
 
 LEASE_MS = 10_000
 """A holder that stalls this long loses the game to the next writer."""
 
 WAIT_SECONDS = 20.0
 """Longest wait for a game's lock before the post is refused as ``unavailable``."""
+
+ACQUIRE_BACKOFF = Backoff(first=0.002, cap=0.02)
+"""Between two tries at a game's lease held by another node: a chat post is short."""
 
 
 class LockUnavailable(Exception):
@@ -65,7 +68,8 @@ class GameLocks(Protocol):
 class _LocalLocks:
     """Per-key asyncio locks, dropped when nobody holds or waits for them."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeouts: Counter) -> None:
+        self._timeouts = timeouts
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
 
     @contextlib.asynccontextmanager
@@ -78,7 +82,7 @@ class _LocalLocks:
                 async with asyncio.timeout_at(_loop_time(deadline)):
                     await lock.acquire()
             except TimeoutError:
-                lock_timeouts.inc()
+                self._timeouts.inc()
                 raise LockUnavailable("the game is busy; try again") from None
             try:
                 yield
@@ -100,77 +104,116 @@ def _loop_time(deadline: float) -> float:
     return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
 
-class _AlwaysHeld:
-    async def confirm(self) -> bool:
-        return True
-
-
-class MemoryGameLocks:
-    """The embedded default: one process, so a local lock is the whole story."""
-
-    def __init__(self, *, wait: float = WAIT_SECONDS) -> None:
-        self._local = _LocalLocks()
-        self._wait = wait
-
-    @contextlib.asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[Held]:
-        async with self._local.hold(key, time.monotonic() + self._wait):
-            yield _AlwaysHeld()
-
-    async def close(self) -> None:
-        return None
-
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-_EXTEND = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-
 def lock_key(key: str) -> str:
     """Beside the game's channel, in the same hash tag (one Redis Cluster slot)."""
     return "ap:{game:" + key + "}:chat-lock"
 
 
-class _Lease:
-    def __init__(self, locks: RedisGameLocks, name: str, token: str) -> None:
-        self._locks = locks
-        self._name = name
-        self._token = token
+class _Held:
+    """One hold of a game: its lease, renewed in the background while it lasts."""
+
+    def __init__(self, lease: Lease, lost: Counter) -> None:
+        self._lease = lease
+        self._lost = lost
         self.lost = False
 
     async def extend(self) -> bool:
         try:
-            ok = await self._locks._extend(keys=[self._name], args=[self._token, LEASE_MS])
+            state = await self._lease.renew()
         except (RedisError, OSError) as exc:
-            log.warning("could not extend the chat lease %s: %s", self._name, exc)
+            log.warning("could not extend the chat lease %s: %s", self._lease.key, exc)
             return not self.lost
-        if not ok:
+        if state is not LeaseState.RENEWED:
+            # LOST: another holder has it; ACQUIRED: it lapsed meanwhile and
+            # was taken again, so another node may have gone ahead in between.
             self.lost = True
         return not self.lost
 
     async def confirm(self) -> bool:
         held = await self.extend()
         if not held:
-            locks_lost.inc()
-            log.warning("chat lease %s expired before the publish", self._name)
+            self._lost.inc()
+            log.warning("chat lease %s expired before the publish", self._lease.key)
         return held
 
-    async def renew_forever(self) -> None:
+    async def renew_forever(self, every: float) -> None:
         while not self.lost:
-            await asyncio.sleep(LEASE_MS / 3000)
+            await asyncio.sleep(every)
             await self.extend()
 
 
-class RedisGameLocks:
-    """A local lock per game first (so a node sends one contender to Redis), then a lease."""
+class _LeasedGameLocks:
+    """A local lock per game first (so a node sends one contender to its lease
+    store), then the game's lease, renewed while held and released after."""
+
+    def __init__(self, *, lease_ms: int | None, wait: float, metrics: Registry | None) -> None:
+        registry = metrics or Registry()
+        self._lost = registry.counter(
+            "ap_game_lock_lost_total", "Per-game chat leases found expired before the publish"
+        )
+        self._timeouts = registry.counter(
+            "ap_game_lock_timeouts_total", "Per-game chat locks not obtained within the wait"
+        )
+        self._lease_ms = lease_ms
+        self._wait = wait
+        self._local = _LocalLocks(self._timeouts)
+
+    def _lease(self, key: str, token: str) -> Lease:
+        raise NotImplementedError
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[Held]:
+        deadline = time.monotonic() + self._wait
+        async with self._local.hold(key, deadline):
+            lease = self._lease(lock_key(key), new_token("chat"))
+            await self._acquire(lease, deadline)
+            held = _Held(lease, self._lost)
+            renewer = None
+            if self._lease_ms is not None:
+                every = self._lease_ms / 3000
+                renewer = asyncio.create_task(held.renew_forever(every), name=f"chat-lease:{key}")
+            try:
+                yield held
+            finally:
+                if renewer is not None:
+                    renewer.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await renewer
+                try:
+                    await lease.release()
+                except (RedisError, OSError) as exc:
+                    log.warning("could not release %s (it expires by itself): %s", lease.key, exc)
+
+    async def _acquire(self, lease: Lease, deadline: float) -> None:
+        retrying = ACQUIRE_BACKOFF.start(deadline=deadline)
+        while True:
+            try:
+                if await lease.renew() is not LeaseState.LOST:
+                    return
+            except (RedisError, OSError) as exc:
+                raise LockUnavailable(f"Redis refused the chat lock: {exc}") from exc
+            if not await retrying.wait():
+                self._timeouts.inc()
+                raise LockUnavailable("the game is busy; try again")
+
+
+class MemoryGameLocks(_LeasedGameLocks):
+    """The embedded default: one process, so its leases never lapse and the
+    local lock is the whole story."""
+
+    def __init__(self, *, wait: float = WAIT_SECONDS, metrics: Registry | None = None) -> None:
+        super().__init__(lease_ms=None, wait=wait, metrics=metrics)
+        self._table = LeaseTable()
+
+    def _lease(self, key: str, token: str) -> Lease:
+        return MemoryLease(key, token, table=self._table)
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisGameLocks(_LeasedGameLocks):
+    """Leases in Redis (one Redis or a Redis Cluster), shared by every node."""
 
     def __init__(
         self,
@@ -179,47 +222,14 @@ class RedisGameLocks:
         lease_ms: int = LEASE_MS,
         wait: float = WAIT_SECONDS,
         cluster: bool = False,
+        metrics: Registry | None = None,
     ) -> None:
+        super().__init__(lease_ms=lease_ms, wait=wait, metrics=metrics)
         self._client = command_client_for(url, cluster=cluster)
-        self._lease_ms = lease_ms
-        self._wait = wait
-        self._local = _LocalLocks()
-        self._release = script_for(self._client, _RELEASE)
-        self._extend = script_for(self._client, _EXTEND)
 
-    @contextlib.asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[Held]:
-        deadline = time.monotonic() + self._wait
-        name = lock_key(key)
-        token = uuid.uuid4().hex
-        async with self._local.hold(key, deadline):
-            await self._acquire(name, token, deadline)
-            lease = _Lease(self, name, token)
-            renewer = asyncio.create_task(lease.renew_forever(), name=f"chat-lease:{key}")
-            try:
-                yield lease
-            finally:
-                renewer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renewer
-                try:
-                    await self._release(keys=[name], args=[token])
-                except (RedisError, OSError) as exc:
-                    log.warning("could not release %s (it expires by itself): %s", name, exc)
-
-    async def _acquire(self, name: str, token: str, deadline: float) -> None:
-        pause = 0.002
-        while True:
-            try:
-                if await self._client.set(name, token, nx=True, px=self._lease_ms):
-                    return
-            except (RedisError, OSError) as exc:
-                raise LockUnavailable(f"Redis refused the chat lock: {exc}") from exc
-            if time.monotonic() >= deadline:
-                lock_timeouts.inc()
-                raise LockUnavailable("the game is busy; try again")
-            await asyncio.sleep(random.uniform(pause / 2, pause))
-            pause = min(pause * 2, 0.02)
+    def _lease(self, key: str, token: str) -> Lease:
+        assert self._lease_ms is not None
+        return RedisLease(self._client, key, token, self._lease_ms, owns_client=False)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

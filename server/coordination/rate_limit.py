@@ -14,7 +14,8 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from server.bus.redis_cluster_bus import command_client_for, script_for
+from server.redis.client import command_client_for
+from server.redis.scripts import lua, script_for
 
 
 class RateLimiter(Protocol):
@@ -51,18 +52,9 @@ class MemoryRateLimiter:
         return None
 
 
-# KEYS[1] the user's log (a zset of accepted times).  ARGV: window ms, limit, member.
-# Times come from Redis, so nodes with skewed clocks share one window.
-_ALLOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local window = tonumber(ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], now, ARGV[3])
-redis.call('PEXPIRE', KEYS[1], window)
-return 1
-"""
+_ALLOW = lua("server.coordination", "rate_allow")
+"""The sliding window in one step; times come from Redis, so nodes with skewed
+clocks share one window."""
 
 
 def rate_key(name: str, user_id: str) -> str:

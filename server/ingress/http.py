@@ -19,7 +19,6 @@ from protocol.parse import parse_broadcast
 from server.config import Settings
 from server.ingress import status
 from server.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ def build_app(node: HttpHub, settings: Settings) -> web.Application:
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(
-            body=REGISTRY.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE}
+            body=node.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE}
         )
 
     app = web.Application(client_max_size=MAX_PUBLISH_BYTES)

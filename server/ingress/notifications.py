@@ -41,7 +41,7 @@ from protocol.parse import parse_broadcast
 from server.coordination.dedup import Claim, Dedup
 from server.coordination.lease import Lease
 from server.ingress.table_stream import Record, TableStreamReader
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.services import Publish
 from server.store.base import Store
 
@@ -53,13 +53,22 @@ DEDUP_SECONDS = 86_400.0
 """A stream keeps records for 24 h: no reader can meet a record again after that."""
 CLAIM_SECONDS = 60.0
 
-pushed = REGISTRY.counter("ap_notifications_pushed_total", "Notification rows pushed to users")
-repeated = REGISTRY.counter(
-    "ap_notifications_repeated_total", "Notification records read again and not pushed again"
-)
-unpushable = REGISTRY.counter(
-    "ap_notifications_unpushable_total", "Notification rows that could not become an event"
-)
+
+class _PushCounters:
+    """The push's counters, on its node's registry."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.pushed = registry.counter(
+            "ap_notifications_pushed_total", "Notification rows pushed to users"
+        )
+        self.repeated = registry.counter(
+            "ap_notifications_repeated_total",
+            "Notification records read again and not pushed again",
+        )
+        self.unpushable = registry.counter(
+            "ap_notifications_unpushable_total", "Notification rows that could not become an event"
+        )
+
 
 _deserializer = TypeDeserializer()
 
@@ -121,8 +130,10 @@ class NotificationPush:
         region: str,
         endpoint_url: str | None,
         poll_seconds: float,
+        metrics: Registry,
     ) -> None:
         self._publish_event = publish
+        self._counts = _PushCounters(metrics)
         self._dedup = dedup
         self._token = f"{node_id}/{uuid.uuid4().hex}"
         self._calls = 0
@@ -134,6 +145,7 @@ class NotificationPush:
             region=region,
             endpoint_url=endpoint_url,
             poll_seconds=poll_seconds,
+            metrics=metrics,
         )
 
     async def start(self) -> None:
@@ -157,7 +169,7 @@ class NotificationPush:
         try:
             for notification, key, claim in zip(found, keys, claims, strict=True):
                 if claim is Claim.DONE:
-                    repeated.inc()
+                    self._counts.repeated.inc()
                     continue
                 if claim is Claim.BUSY:
                     raise NotificationBusy(f"record {notification.event_id} is being published")
@@ -180,7 +192,7 @@ class NotificationPush:
             message = parse_broadcast(json.dumps(body))
         except (ProtocolError, TypeError, ValueError) as exc:
             # Retrying cannot fix it: count it and move on, as with a poison message.
-            unpushable.inc()
+            self._counts.unpushable.inc()
             reason = exc.message if isinstance(exc, ProtocolError) else str(exc)
             log.warning(
                 "notification %s for %s not pushed: %s",
@@ -190,4 +202,4 @@ class NotificationPush:
             )
             return
         await self._publish_event(message, require_cluster=True, event_id=notification.sk)
-        pushed.inc()
+        self._counts.pushed.inc()

@@ -28,11 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aioboto3
@@ -43,7 +42,8 @@ from protocol.messages import Broadcast
 from protocol.parse import parse_broadcast
 from server.bus.base import Bus
 from server.coordination.dedup import Claim, Dedup
-from server.runtime.metrics import REGISTRY
+from server.runtime.backoff import Backoff, Retrying
+from server.runtime.metrics import Registry
 from server.services import Publish
 
 log = logging.getLogger(__name__)
@@ -56,38 +56,39 @@ DEDUP_SECONDS = 900.0
 far longer than the visibility timeout after which a message could come back."""
 BUSY_RETRY_SECONDS = 5
 """A message another consumer is publishing comes back this much later (then reads done)."""
-BACKOFF_BASE_SECONDS = 0.2
-BACKOFF_CAP_SECONDS = 5.0
-DELETE_ATTEMPTS = 3
+BACKOFF = Backoff(first=0.4, cap=5.0)
+"""Pollers of many nodes do not retry in step."""
+DELETE_BACKOFF = replace(BACKOFF, attempts=3)
 STOP_GRACE_SECONDS = 5.0
 BUS_SETTLE_SECONDS = 3.0
 """After the bus reconnects, wait this long before publishing again: the other nodes'
 subscribers reconnect within the bus's 2 s backoff cap, and Redis pub/sub would not
 deliver to a node that is not subscribed yet."""
 
-received = REGISTRY.counter("ap_sqs_messages_received_total", "Messages received from the queue")
-published = REGISTRY.counter(
-    "ap_sqs_messages_published_total", "Queue messages published onto the bus"
-)
-duplicates = REGISTRY.counter(
-    "ap_sqs_duplicates_total", "Queue messages received again after they were published"
-)
-poison = REGISTRY.counter(
-    "ap_sqs_poison_messages_total", "Queue messages that did not parse: logged and deleted"
-)
-handed_back = REGISTRY.counter(
-    "ap_sqs_messages_returned_total",
-    "Messages handed back to the queue unpublished (bus down, or another node publishing)",
-)
-errors = REGISTRY.counter(
-    "ap_sqs_errors_total", "Failed calls to SQS or to the dedup store (then backed off)"
-)
 
+class _SqsCounters:
+    """The bridge's counters, on its node's registry."""
 
-def backoff_delay(failures: int) -> float:
-    """Jittered exponential backoff: pollers of many nodes do not retry in step."""
-    ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** min(failures, 10))
-    return random.uniform(ceiling / 2, ceiling)
+    def __init__(self, registry: Registry) -> None:
+        self.received = registry.counter(
+            "ap_sqs_messages_received_total", "Messages received from the queue"
+        )
+        self.published = registry.counter(
+            "ap_sqs_messages_published_total", "Queue messages published onto the bus"
+        )
+        self.duplicates = registry.counter(
+            "ap_sqs_duplicates_total", "Queue messages received again after they were published"
+        )
+        self.poison = registry.counter(
+            "ap_sqs_poison_messages_total", "Queue messages that did not parse: logged and deleted"
+        )
+        self.handed_back = registry.counter(
+            "ap_sqs_messages_returned_total",
+            "Messages handed back to the queue unpublished (bus down, or another node publishing)",
+        )
+        self.errors = registry.counter(
+            "ap_sqs_errors_total", "Failed calls to SQS or to the dedup store (then backed off)"
+        )
 
 
 @dataclass
@@ -122,9 +123,12 @@ class SqsBridge:
         pollers: int = 4,
         wait_seconds: int = 20,
         visibility_seconds: int = 30,
+        metrics: Registry,
     ) -> None:
         self._publish = publish
         self._bus = bus
+        self._metrics = metrics
+        self._counts = _SqsCounters(metrics)
         self._dedup = dedup
         self.queue_url = queue_url
         self._region = region
@@ -142,12 +146,12 @@ class SqsBridge:
         self._settle = BUS_SETTLE_SECONDS
         self._in_flight = 0
         self._oldest_ms: dict[int, float] = {}
-        REGISTRY.gauge(
+        self._metrics.gauge(
             "ap_sqs_messages_in_flight",
             "Messages received from the queue and not yet deleted or handed back",
             lambda: float(self._in_flight),
         )
-        REGISTRY.gauge(
+        self._metrics.gauge(
             "ap_sqs_oldest_message_age_seconds",
             "Age, when received, of the oldest message of the latest receives (0: queue drained)",
             self._oldest_age,
@@ -211,12 +215,11 @@ class SqsBridge:
     async def _poll(self, index: int) -> None:
         task = asyncio.current_task()
         assert task is not None
-        failures = 0
+        retrying = BACKOFF.start()
         while not self._stopping:
             if not self._bus_settled():
                 # Nothing could be published to every node: leave the messages in the queue.
-                failures += 1
-                await self._pause(failures, "the bus is down or just reconnected")
+                await self._pause(retrying, "the bus is down or just reconnected")
                 continue
             self._receiving.add(task)
             try:
@@ -232,9 +235,8 @@ class SqsBridge:
                     return
                 raise
             except Exception as exc:
-                errors.inc()
-                failures += 1
-                await self._pause(failures, f"ReceiveMessage failed: {exc}")
+                self._counts.errors.inc()
+                await self._pause(retrying, f"ReceiveMessage failed: {exc}")
                 continue
             finally:
                 self._receiving.discard(task)
@@ -244,7 +246,7 @@ class SqsBridge:
             ]
             self._note_lag(index, batch)
             if not batch:
-                failures = 0
+                retrying.reset()
                 continue
             try:
                 ok = await self._handle(batch)
@@ -253,10 +255,9 @@ class SqsBridge:
                 log.exception("queue bridge: a batch failed")
                 ok = False
             if ok:
-                failures = 0
+                retrying.reset()
             else:
-                failures += 1
-                await self._pause(failures, "publishing failed; messages handed back")
+                await self._pause(retrying, "publishing failed; messages handed back")
 
     def _bus_settled(self) -> bool:
         bus = self._bus
@@ -265,9 +266,10 @@ class SqsBridge:
         since: float | None = getattr(bus, "reconnected_at", None)  # the Redis bus only
         return since is None or time.monotonic() - since >= self._settle
 
-    async def _pause(self, failures: int, reason: str) -> None:
-        delay = backoff_delay(failures)
-        if failures == 1 or failures % 10 == 0:
+    async def _pause(self, retrying: Retrying, reason: str) -> None:
+        delay = retrying.next_delay()
+        assert delay is not None  # no limit, no deadline: the poller retries for ever
+        if retrying.failures == 1 or retrying.failures % 10 == 0:
             log.warning("queue bridge: %s; retrying in %.2fs", reason, delay)
         await asyncio.sleep(delay)
 
@@ -279,7 +281,7 @@ class SqsBridge:
 
     async def _handle(self, batch: list[_Received]) -> bool:
         """Publish a batch; True unless something failed and messages were handed back."""
-        received.inc(len(batch))
+        self._counts.received.inc(len(batch))
         self._in_flight += len(batch)
         try:
             return await self._publish_batch(batch)
@@ -293,7 +295,7 @@ class SqsBridge:
             try:
                 events.append((message, parse_broadcast(message.body)))
             except ProtocolError as exc:
-                poison.inc()
+                self._counts.poison.inc()
                 log.warning(
                     "queue bridge: poison message %s deleted: %s (%s)",
                     message.message_id,
@@ -312,7 +314,7 @@ class SqsBridge:
             # than publishing it a second time.
             claims = await self._dedup.claim(keys, token, 2 * self._visibility)
         except Exception as exc:
-            errors.inc()
+            self._counts.errors.inc()
             log.warning("queue bridge: dedup store unreachable: %s", exc)
             await self._delete(done)
             await self._hand_back([m for m, _ in events], BUSY_RETRY_SECONDS)
@@ -323,7 +325,7 @@ class SqsBridge:
         ok = True
         for (message, event), key, claim in zip(events, keys, claims, strict=True):
             if claim is Claim.DONE:
-                duplicates.inc()
+                self._counts.duplicates.inc()
                 done.append(message)
             elif claim is Claim.BUSY:
                 later.append(message)
@@ -335,12 +337,12 @@ class SqsBridge:
                     await self._publish(event, require_cluster=True, event_id=message.message_id)
                 except Exception as exc:
                     ok = False
-                    errors.inc()
+                    self._counts.errors.inc()
                     log.warning("queue bridge: publish of %s failed: %s", message.message_id, exc)
                     unpublished.append(key)
                     later.append(message)
                 else:
-                    published.inc()
+                    self._counts.published.inc()
                     completed.append(key)
                     done.append(message)
         try:
@@ -350,7 +352,7 @@ class SqsBridge:
             # Published but not marked: a redelivery within the visibility
             # timeout finds our claim (BUSY), after it the claim lapsed. The
             # delete below makes a redelivery unlikely.
-            errors.inc()
+            self._counts.errors.inc()
             log.warning("queue bridge: could not mark messages published: %s", exc)
         await self._delete(done)
         if later:
@@ -360,16 +362,17 @@ class SqsBridge:
     async def _delete(self, messages: Sequence[_Received]) -> None:
         """DeleteMessageBatch, retried; a message left behind comes back and reads done."""
         pending = list(messages)
-        for attempt in range(1, DELETE_ATTEMPTS + 1):
-            if not pending:
-                return
+        if not pending:
+            return
+        retrying = DELETE_BACKOFF.start()
+        while True:
             entries = [{"Id": str(i), "ReceiptHandle": m.receipt} for i, m in enumerate(pending)]
             try:
                 response = await self._client.delete_message_batch(
                     QueueUrl=self.queue_url, Entries=entries
                 )
             except Exception as exc:
-                errors.inc()
+                self._counts.errors.inc()
                 reason = str(exc)
             else:
                 failed = {entry["Id"] for entry in response.get("Failed", [])}
@@ -377,8 +380,8 @@ class SqsBridge:
                 reason = f"{len(failed)} entries failed"
                 if not pending:
                     return
-            if attempt < DELETE_ATTEMPTS:
-                await asyncio.sleep(backoff_delay(attempt))
+            if not await retrying.wait():
+                break
         log.warning(
             "queue bridge: %d published messages not deleted (%s); they will come back "
             "and be deleted as duplicates",
@@ -388,8 +391,8 @@ class SqsBridge:
 
     async def _hand_back(self, messages: Sequence[_Received], seconds: int | None) -> None:
         """Make unpublished messages visible again soon, rather than after the timeout."""
-        handed_back.inc(len(messages))
-        delay = seconds if seconds is not None else max(1, round(backoff_delay(3)))
+        self._counts.handed_back.inc(len(messages))
+        delay = seconds if seconds is not None else max(1, round(BACKOFF.delay(3)))
         entries = [
             {"Id": str(i), "ReceiptHandle": m.receipt, "VisibilityTimeout": delay}
             for i, m in enumerate(messages)
@@ -400,5 +403,5 @@ class SqsBridge:
             )
         except Exception as exc:
             # They come back after the visibility timeout instead: later, not lost.
-            errors.inc()
+            self._counts.errors.inc()
             log.warning("queue bridge: could not hand %d messages back: %s", len(messages), exc)

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from server.config import Settings
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ class StatusSource(Protocol):
     @property
     def sessions(self) -> Sized: ...
 
+    @property
+    def metrics(self) -> Registry: ...
+
     async def status(self) -> dict[str, Any]: ...
 
 
@@ -48,7 +51,7 @@ class History:
 
     def sample(self) -> None:
         now = time.time()
-        events = REGISTRY.value("ap_bus_messages_total")
+        events = self.node.metrics.value("ap_bus_messages_total")
         rate = 0.0
         if self._last is not None and now > self._last[0]:
             rate = (events - self._last[1]) / (now - self._last[0])
@@ -70,8 +73,9 @@ class History:
 
 
 async def status(node: StatusSource, settings: Settings, history: History) -> dict[str, Any]:
-    """The hub's own figures, with its settings, this process's counters and the chart."""
+    """The hub's own figures, with its settings, its node's counters and the chart."""
     own = await node.status()
+    metrics = node.metrics
     return {
         "node": own["node"],
         "mode": "cluster" if settings.clustered else "embedded",
@@ -85,22 +89,22 @@ async def status(node: StatusSource, settings: Settings, history: History) -> di
         "bus": {
             "kind": "redis" if settings.clustered else "memory",
             "connected": own["bus_connected"],
-            "reconnects": REGISTRY.get("ap_bus_reconnects_total"),
+            "reconnects": metrics.get("ap_bus_reconnects_total"),
         },
         "store": {
             "kind": settings.store,
             "table": settings.table if settings.store == "dynamodb" else None,
-            "write_backlog": REGISTRY.value("ap_store_write_backlog"),
-            "write_retries": REGISTRY.value("ap_store_write_retries_total"),
+            "write_backlog": metrics.value("ap_store_write_backlog"),
+            "write_retries": metrics.value("ap_store_write_retries_total"),
         },
         "closes": {
-            "slow_consumer": REGISTRY.value("ap_slow_consumers_total"),
-            "rate_limited": REGISTRY.value("ap_flood_closes_total"),
+            "slow_consumer": metrics.value("ap_slow_consumers_total"),
+            "rate_limited": metrics.value("ap_flood_closes_total"),
         },
         "events": {
-            "published": REGISTRY.value("ap_events_published_total"),
-            "received": REGISTRY.value("ap_bus_messages_total"),
-            "frames_sent": REGISTRY.value("ap_frames_sent_total"),
+            "published": metrics.value("ap_events_published_total"),
+            "received": metrics.value("ap_bus_messages_total"),
+            "frames_sent": metrics.value("ap_frames_sent_total"),
         },
         "nodes": own["nodes"],
         "history": history.as_json(),

@@ -29,7 +29,6 @@ import contextlib
 import datetime
 import enum
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from server.coordination.lease import Lease, LeaseState
-from server.runtime.metrics import REGISTRY
+from server.runtime.backoff import Backoff
+from server.runtime.metrics import Registry
 from server.store.base import Fenced, ShardCheckpoint, Store, StreamReaderState
 
 log = logging.getLogger(__name__)
@@ -55,15 +55,22 @@ REDISCOVER_SECONDS = 5.0
 """How often shards are listed again (DescribeStream allows 10 calls/s per account)."""
 IDLE_CHECKPOINT_SECONDS = 10.0
 RENEW_SECONDS = 1.0
-BACKOFF_CAP_SECONDS = 5.0
+BACKOFF = Backoff(first=0.4, cap=5.0)
+"""Between two tries of a failed read or delivery."""
 
-records_read = REGISTRY.counter("ap_stream_records_total", "Table stream records read")
-checkpoints_written = REGISTRY.counter(
-    "ap_stream_checkpoints_total", "Shard checkpoints written to the table"
-)
-reader_failures = REGISTRY.counter(
-    "ap_stream_reader_failures_total", "Stream reads or deliveries that failed and were retried"
-)
+
+class _ReaderCounters:
+    """The reader's counters, on its node's registry."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.records_read = registry.counter("ap_stream_records_total", "Table stream records read")
+        self.checkpoints_written = registry.counter(
+            "ap_stream_checkpoints_total", "Shard checkpoints written to the table"
+        )
+        self.reader_failures = registry.counter(
+            "ap_stream_reader_failures_total",
+            "Stream reads or deliveries that failed and were retried",
+        )
 
 
 class LeaseLost(Exception):
@@ -202,7 +209,10 @@ class TableStreamReader:
         region: str,
         endpoint_url: str | None,
         poll_seconds: float = 0.5,
+        metrics: Registry | None = None,
     ) -> None:
+        self._metrics = metrics or Registry()
+        self._counts = _ReaderCounters(self._metrics)
         self._store = store
         self._lease = lease
         self._handler = handler
@@ -219,7 +229,7 @@ class TableStreamReader:
         self.reading = False
         self.positioned: set[str] = set()
         """Shards this term holds an iterator on: records written from now on are read."""
-        REGISTRY.gauge(
+        self._metrics.gauge(
             "ap_stream_reader_active", "1 while this node reads the table's stream", self._active
         )
 
@@ -302,7 +312,7 @@ class TableStreamReader:
     # --- one term of reading -------------------------------------------------
 
     async def _read(self) -> None:
-        failures = 0
+        retrying = BACKOFF.start()
         while True:
             try:
                 await self._read_term()
@@ -312,9 +322,9 @@ class TableStreamReader:
                 self.reading = False
                 return
             except Exception as exc:
-                reader_failures.inc()
-                failures += 1
-                delay = _backoff(failures)
+                self._counts.reader_failures.inc()
+                delay = retrying.next_delay()
+                assert delay is not None  # no limit: the reader retries while it holds the lease
                 log.warning("stream reader failed (%s); again in %.1fs", exc, delay)
                 self.reading = False
                 await asyncio.sleep(delay)
@@ -365,9 +375,9 @@ class TableStreamReader:
                             raise error
                         if error is not None:
                             # Re-planned from its checkpoint on the next round.
-                            reader_failures.inc()
+                            self._counts.reader_failures.inc()
                             log.warning("stream reader: shard %s failed: %s", shard_id, error)
-                            await asyncio.sleep(_backoff(1))
+                            await asyncio.sleep(BACKOFF.delay(1))
         finally:
             self.reading = False
             self.positioned.clear()
@@ -406,7 +416,7 @@ class TableStreamReader:
         self._check_lease()
         await self._store.save_stream_checkpoint(arn, checkpoint, state.fence)
         self._checkpoints[checkpoint.shard_id] = checkpoint
-        checkpoints_written.inc()
+        self._counts.checkpoints_written.inc()
 
     async def _iterator(self, arn: str, shard_id: str, position: Position) -> str:
         params: dict[str, Any] = {
@@ -444,7 +454,7 @@ class TableStreamReader:
                 continue
             records: list[Record] = response.get("Records", [])
             if records:
-                records_read.inc(len(records))
+                self._counts.records_read.inc(len(records))
                 fresh_records = [r for r in records if (_created_ms(r) or cutoff_ms) >= cutoff_ms]
                 relevant = await self._deliver(fresh_records)
                 last = records[-1]["dynamodb"]["SequenceNumber"]
@@ -467,7 +477,7 @@ class TableStreamReader:
 
     async def _deliver(self, records: Sequence[Record]) -> int:
         """Hand a batch on until it is taken; nothing after it is read meanwhile."""
-        failures = 0
+        retrying = BACKOFF.start()
         while True:
             self._check_lease()
             try:
@@ -475,14 +485,9 @@ class TableStreamReader:
             except (LeaseLost, Fenced):
                 raise
             except Exception as exc:
-                reader_failures.inc()
-                failures += 1
-                delay = _backoff(failures)
-                if failures == 1 or failures % 10 == 0:
+                self._counts.reader_failures.inc()
+                delay = retrying.next_delay()
+                assert delay is not None  # no limit: the lease check above ends it
+                if retrying.failures == 1 or retrying.failures % 10 == 0:
                     log.warning("stream reader: delivery failed (%s); again in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
-
-
-def _backoff(failures: int) -> float:
-    ceiling = min(BACKOFF_CAP_SECONDS, 0.2 * 2 ** min(failures, 10))
-    return random.uniform(ceiling / 2, ceiling)

@@ -29,12 +29,10 @@ from protocol.messages import Ack, Chat, GameKey, Since, Subscribe, SyncPresence
 from protocol.parse import parse_client_frame
 from server.config import Settings
 from server.runtime import logs
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.runtime.reclaim import Reclaimer
 from server.runtime.token_bucket import TokenBucket
-from server.session import GuardedConnection, Session
-
-bad_frames = REGISTRY.counter("ap_client_errors_total", "Client frames answered with an error")
+from server.session import GuardedConnection, Session, Traffic
 
 
 class ChatDoor(Protocol):
@@ -49,6 +47,12 @@ class SessionHub(Protocol):
 
     @property
     def sessions(self) -> Set[Session]: ...
+
+    @property
+    def metrics(self) -> Registry: ...
+
+    @property
+    def traffic(self) -> Traffic: ...
 
     @property
     def chat(self) -> ChatDoor: ...
@@ -75,6 +79,7 @@ async def serve_websocket(node: SessionHub, reclaimer: Reclaimer | None = None) 
         {
             "outbox_limit": settings.outbox_limit_bytes,
             "send_buffer_bytes": settings.socket_send_buffer_bytes,
+            "traffic": node.traffic,
         },
     )
     return await serve(
@@ -111,6 +116,9 @@ class Handler:
         self.credits = settings.flood_credits
         self.refill = settings.flood_credits / settings.flood_window_seconds
         self.subscribe_timeout = settings.subscribe_timeout
+        self.bad_frames = node.metrics.counter(
+            "ap_client_errors_total", "Client frames answered with an error"
+        )
 
     async def __call__(self, ws: ServerConnection) -> None:
         # The library's subprotocol callback closes over the connection, which
@@ -118,7 +126,8 @@ class Handler:
         # socket until a full collection. The handshake is over; drop it.
         vars(ws.protocol).pop("select_subprotocol", None)
         loop = asyncio.get_running_loop()
-        session = Session(ws, TokenBucket(self.credits, self.refill, loop.time()))
+        credits = TokenBucket(self.credits, self.refill, loop.time())
+        session = Session(ws, credits, traffic=self.node.traffic)
         logs.connection_id.set(session.connection_id)  # this task serves only this socket
         if isinstance(ws, GuardedConnection):
             ws.session = session
@@ -153,7 +162,7 @@ class Handler:
         try:
             action = parse_client_frame(data)
         except ProtocolError as exc:
-            bad_frames.inc()
+            self.bad_frames.inc()
             session.acking = exc.ack_id
             session.send_error(exc.code, exc.message, self.limit, exc.client_msg_id)
             session.acking = None
@@ -171,7 +180,7 @@ class Handler:
             if applied and action.ack_id is not None:
                 session.send(Frame(self._ack(action)), self.limit)
         elif not session.subscribed:
-            bad_frames.inc()
+            self.bad_frames.inc()
             session.send_error(ErrorCode.NOT_SUBSCRIBED, "Not subscribed", self.limit)
         elif isinstance(action, SyncPresence):
             self.node.sync_presence(session)
@@ -182,7 +191,7 @@ class Handler:
         if isinstance(action, Subscribe):
             return await self.node.subscribe(session, action)
         if not session.subscribed:
-            bad_frames.inc()
+            self.bad_frames.inc()
             session.send_error(ErrorCode.NOT_SUBSCRIBED, "Not subscribed", self.limit)
             return False
         return await self.node.watch(session, action.games, action.since)
@@ -195,14 +204,6 @@ class Handler:
         return Ack(action.ack_id, "subscribe", beat)
 
 
-refused_upgrades = REGISTRY.counter(
-    "ap_refused_upgrades_total", "WebSocket upgrades answered 503 (node cap or accept rate)"
-)
-accepted_upgrades = REGISTRY.counter(
-    "ap_accepted_upgrades_total", "WebSocket upgrades admitted past the node cap and accept rate"
-)
-
-
 class Admission:
     """Refuses upgrades with 503 before any WebSocket state exists: over the
     node's connection cap, or faster than the accept rate (with Retry-After)."""
@@ -211,6 +212,13 @@ class Admission:
         self.node = node
         settings = node.settings
         self.max_connections = settings.max_connections
+        self.refused = node.metrics.counter(
+            "ap_refused_upgrades_total", "WebSocket upgrades answered 503 (node cap or accept rate)"
+        )
+        self.accepted = node.metrics.counter(
+            "ap_accepted_upgrades_total",
+            "WebSocket upgrades admitted past the node cap and accept rate",
+        )
         self.bucket: TokenBucket | None = None
         if settings.accept_rate > 0:
             rate = settings.accept_rate
@@ -218,17 +226,17 @@ class Admission:
 
     def check(self, connection: ServerConnection, request: Request) -> Response | None:
         if self.max_connections and len(self.node.sessions) >= self.max_connections:
-            refused_upgrades.inc()
+            self.refused.inc()
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "node is full\n")
         bucket = self.bucket
         if bucket is not None:
             now = asyncio.get_running_loop().time()
             if not bucket.take(now):
-                refused_upgrades.inc()
+                self.refused.inc()
                 response = connection.respond(
                     HTTPStatus.SERVICE_UNAVAILABLE, "too many new connections\n"
                 )
                 response.headers["Retry-After"] = str(bucket.retry_after(now))
                 return response
-        accepted_upgrades.inc()
+        self.accepted.inc()
         return None

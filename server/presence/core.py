@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -35,7 +34,8 @@ from protocol.envelope import PresenceHint, encode_envelope
 from protocol.messages import PresenceDelta, PresenceSnapshot
 from server.bus.base import Bus
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
-from server.runtime.metrics import REGISTRY
+from server.runtime.backoff import Backoff
+from server.runtime.metrics import Registry
 from server.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -44,13 +44,8 @@ UserStates = dict[str, bool]
 Changes = dict[str, bool | None]
 """New state per user; None means offline."""
 
-deltas_committed = REGISTRY.counter("ap_presence_deltas_total", "Presence deltas committed")
-presence_resyncs = REGISTRY.counter(
-    "ap_presence_view_reloads_total", "Times a node reloaded committed presence after a gap"
-)
-writer_failures = REGISTRY.counter(
-    "ap_presence_writer_failures_total", "Presence flushes that failed and were retried"
-)
+FLUSH_RETRY = Backoff(first=1.0, cap=1.0, jitter=0.8)
+"""A failed flush is tried again 0.2 to 1 s later: soon, but not in step with other nodes."""
 
 
 @dataclass
@@ -262,7 +257,15 @@ class PresenceWriter:
         debounce: float,
         *,
         lease_interval: float = 1.0,
+        metrics: Registry | None = None,
     ) -> None:
+        registry = metrics or Registry()
+        self._deltas_committed = registry.counter(
+            "ap_presence_deltas_total", "Presence deltas committed"
+        )
+        self._failures = registry.counter(
+            "ap_presence_writer_failures_total", "Presence flushes that failed and were retried"
+        )
         self._backend = backend
         self._store = store
         self._debounce = debounce
@@ -362,10 +365,10 @@ class PresenceWriter:
             try:
                 await self.flush()
             except Exception as exc:
-                writer_failures.inc()
+                self._failures.inc()
                 log.warning("presence flush failed, will retry: %s", exc)
                 self._wakeup.set()
-                await asyncio.sleep(random.uniform(0.2, 1.0))
+                await asyncio.sleep(FLUSH_RETRY.delay(1))
 
     async def _reserve_next_seq(self) -> None:
         committed = self._committed
@@ -411,7 +414,7 @@ class PresenceWriter:
             raise
         apply_changes(committed.users, changes)
         committed.seq = delta.seq
-        deltas_committed.inc()
+        self._deltas_committed.inc()
 
     def _hold_recent_leaves(self, changes: Changes, looked_at: Iterable[str]) -> None:
         """Take out of ``changes`` the users gone offline less than a window ago.

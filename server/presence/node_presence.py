@@ -28,9 +28,10 @@ from server.presence.core import (
     PresenceBackend,
     PresenceView,
     PresenceWriter,
-    presence_resyncs,
 )
-from server.runtime.metrics import REGISTRY
+from server.routing.index import bus_failures
+from server.runtime.backoff import Backoff
+from server.runtime.metrics import Registry
 from server.runtime.tasks import run_until_unwound
 from server.runtime.write_behind import CoalescingFlusher
 from server.session import Session, send_frame
@@ -38,15 +39,10 @@ from server.store.base import Store
 
 log = logging.getLogger(__name__)
 
-RELOAD_ATTEMPTS = 20
-"""Tries to reload presence after a bus reconnect (about 15 s of backoff in all)."""
+RELOAD_BACKOFF = Backoff(first=0.1, cap=1.0, jitter=0.0, attempts=20)
+"""Tries to reload presence after a bus reconnect (about 15 s of waits in all)."""
 SYNC_PRESENCE_INTERVAL = 1.0
 """Seconds between two snapshots answering one connection's syncPresence."""
-
-# The same counter as the topic flusher's (one name, one counter): retried bus changes.
-bus_failures = REGISTRY.counter(
-    "ap_bus_subscription_retries_total", "Bus subscription changes that failed and were retried"
-)
 
 
 class NodePresence:
@@ -58,6 +54,7 @@ class NodePresence:
         sessions: Set[Session],
         watchers: Set[Session],
         seen: Callable[[str], None],
+        metrics: Registry,
     ) -> None:
         """``sessions`` and ``watchers`` are the hub's live sets (all open sessions,
         and those that want presence); ``seen`` marks a user's lastSeen."""
@@ -69,17 +66,20 @@ class NodePresence:
         self._outbox_limit = settings.outbox_limit_bytes
         self.local = LocalPresence()
         self.view = PresenceView()
-        self.writer = PresenceWriter(backend, store, settings.presence_debounce)
+        self.writer = PresenceWriter(backend, store, settings.presence_debounce, metrics=metrics)
+        self._reloads = metrics.counter(
+            "ap_presence_view_reloads_total", "Times a node reloaded committed presence after a gap"
+        )
         self._reports: CoalescingFlusher[str, bool | None] = CoalescingFlusher(
-            "presence-reports", self._report, lambda _old, new: new, bus_failures
+            "presence-reports", self._report, lambda _old, new: new, bus_failures(metrics)
         )
         self._reports_since: float | None = None  # when the oldest unreported change happened
         # None asks the delta loop to reload the view and push fresh snapshots.
         self._deltas: asyncio.Queue[PresenceDelta | None] = asyncio.Queue()
         self._moving = 0  # drained sessions whose user is still reported here
         self._moves_done = asyncio.Event()
-        REGISTRY.gauge("ap_users", "Distinct users on this node", self._user_count)
-        REGISTRY.gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
+        metrics.gauge("ap_users", "Distinct users on this node", self._user_count)
+        metrics.gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
 
     @property
     def report_backlog(self) -> int:
@@ -209,7 +209,7 @@ class NodePresence:
             if delta.seq != self.view.seq + 1:
                 # A gap in what this node heard: read the committed state again.
                 # Clients see the gap too and repair it with syncPresence.
-                presence_resyncs.inc()
+                self._reloads.inc()
                 log.warning("presence gap at node: have %d, got %d", self.view.seq, delta.seq)
                 try:
                     self.view.reset(await self._backend.committed())
@@ -222,19 +222,17 @@ class NodePresence:
             send_frame(self._watchers, Frame(delta), self._outbox_limit)
 
     async def _reload_view(self) -> None:
-        presence_resyncs.inc()
+        self._reloads.inc()
         # Right after a reconnect Redis may still refuse (a cluster still
         # electing, a client on a stale slot map): retry rather than leave the
         # watchers without the snapshot that covers what they missed.
-        delay = 0.1
-        for attempt in range(RELOAD_ATTEMPTS):
+        retrying = RELOAD_BACKOFF.start()
+        while True:
             try:
                 self.view.reset(await self._backend.committed())
                 break
             except Exception as exc:
-                if attempt == RELOAD_ATTEMPTS - 1:
+                if not await retrying.wait():
                     log.warning("presence reload after a bus reconnect failed: %s", exc)
                     return
-                await asyncio.sleep(delay)
-                delay = min(1.0, delay * 2)
         send_frame(self._watchers, self.view.snapshot_frame(), self._outbox_limit)

@@ -26,38 +26,55 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
 from protocol.envelope import PresenceHint, encode_envelope
 from protocol.messages import PresenceDelta
-from server.bus.redis_bus import PRESENCE_NAMESPACE, BusUnavailable, SharedBus, channel_for
-from server.bus.redis_cluster_bus import ShardScript
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.config import Settings
+from server.coordination.lease import LeaseState, RedisLease, new_token
 from server.presence import scripts as cluster_lua
 from server.presence.core import Changes, CommittedPresence, Member, UserStates, apply_changes
-from server.runtime.metrics import REGISTRY
+from server.redis.client import RedisUnavailable
+from server.redis.keys import PRESENCE_NAMESPACE, channel_for
+from server.redis.scripts import ShardScript, for_bus
+from server.runtime.backoff import Backoff
+from server.runtime.metrics import Registry
 from server.store.base import Store
 
 log = logging.getLogger(__name__)
 
-nodes_swept = REGISTRY.counter(
-    "ap_cluster_nodes_presumed_dead_total", "Nodes withdrawn because their heartbeat stopped"
-)
-commits_refused = REGISTRY.counter(
-    "ap_presence_commits_refused_total", "Presence commits refused as fenced or stale"
-)
 
 WRITER_RENEW_SECONDS = 1.0
 """How often the presence writer renews its lease (PresenceWriter's default)."""
 TOMBSTONE_MS = 3_600_000
 START_TIMEOUT = 30.0
+START_BACKOFF = Backoff(first=1.0, cap=1.0, jitter=0.0)
+"""Registering at start-up is tried once a second until ``START_TIMEOUT``."""
 
 ALIVE, UNKNOWN, PRESUMED_DEAD = 0, 1, 2
+
+
+class SharedBus(Protocol):
+    """What cluster presence needs from a Redis-backed bus (one Redis or a cluster)."""
+
+    url: str
+    sharded: bool
+    """True on a Redis Cluster: scripts publish with SPUBLISH."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def connected_since(self) -> float: ...
+
+    def on_reconnect(self, callback: Callable[[], None]) -> None: ...
+
+    def command_client(self) -> Any:
+        """A new command client (``redis.asyncio.Redis`` or ``RedisCluster``)."""
 
 
 def lease_ms_for(heartbeat_ms: int) -> int:
@@ -89,7 +106,16 @@ class RedisPresenceBackend:
         heartbeat_ms: int = 2000,
         timeout_ms: int = 10_000,
         lease_ms: int | None = None,
+        metrics: Registry | None = None,
     ) -> None:
+        registry = metrics or Registry()
+        self._nodes_swept = registry.counter(
+            "ap_cluster_nodes_presumed_dead_total",
+            "Nodes withdrawn because their heartbeat stopped",
+        )
+        self._commits_refused = registry.counter(
+            "ap_presence_commits_refused_total", "Presence commits refused as fenced or stale"
+        )
         self._bus = bus
         self._store = store
         self._node_id = node_id
@@ -99,9 +125,7 @@ class RedisPresenceBackend:
         # A client of its own: presence keeps working while the bus closes, and
         # a burst of game events never queues in front of a heartbeat.
         self._client = bus.command_client()
-        self._token = f"{node_id}/{uuid.uuid4().hex}"
         self._leading = False
-        self._lead_until = 0.0
         self._mine: UserStates = {}  # what this node has reported, to re-register
         self._write_lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -113,14 +137,13 @@ class RedisPresenceBackend:
         self._node_key = ns + "node:" + node_id
         self._tombstone = ns + "dead:" + node_id
         self._purge_key = ns + "purge"
-        self._leader = ns + "leader"
         self._seq = ns + "seq"
         self._committed = ns + "committed"
         self._hints = channel_for(PRESENCE_HINTS)
         self._deltas = channel_for(PRESENCE)
 
         def script(source: str) -> Any:
-            source = cluster_lua.for_bus(source, sharded=bus.sharded)
+            source = for_bus(source, sharded=bus.sharded)
             if bus.sharded:
                 return ShardScript(self._client, source)
             return self._client.register_script(source)
@@ -133,14 +156,16 @@ class RedisPresenceBackend:
         self._online_script = script(cluster_lua.ONLINE)
         self._read_script = script(cluster_lua.READ_COMMITTED)
         self._init_script = script(cluster_lua.INIT_COMMITTED)
-        self._lead_script = script(cluster_lua.LEAD)
-        self._release_script = script(cluster_lua.RELEASE)
         self._commit_script = script(cluster_lua.COMMIT)
+        # The writer lease; COMMIT checks its token in the same step (fencing).
+        self._lease = RedisLease(
+            self._client, ns + "leader", new_token(node_id), self._lease_ms, owns_client=False
+        )
         bus.on_reconnect(self._wake.set)
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, bus: SharedBus, store: Store
+        cls, settings: Settings, bus: SharedBus, store: Store, metrics: Registry | None = None
     ) -> RedisPresenceBackend:
         return cls(
             bus,
@@ -148,6 +173,7 @@ class RedisPresenceBackend:
             node_id=settings.node_id,
             heartbeat_ms=settings.node_heartbeat_ms,
             timeout_ms=settings.node_timeout_ms,
+            metrics=metrics,
         )
 
     def on_presumed_dead(self, callback: Callable[[], None]) -> None:
@@ -162,16 +188,19 @@ class RedisPresenceBackend:
 
     async def start(self) -> None:
         """Register this node (dropping what an earlier run left) and start heartbeating."""
-        deadline = time.monotonic() + START_TIMEOUT
+        retrying = START_BACKOFF.start(deadline=time.monotonic() + START_TIMEOUT)
         while True:
             try:
                 await self._register()
                 break
             except (RedisError, OSError) as exc:
-                if time.monotonic() > deadline:
-                    raise BusUnavailable(f"Redis at {self._bus.url} is unreachable: {exc}") from exc
+                delay = retrying.next_delay()
+                if delay is None:
+                    raise RedisUnavailable(
+                        f"Redis at {self._bus.url} is unreachable: {exc}"
+                    ) from exc
                 log.warning("waiting for Redis at %s: %s", self._bus.url, exc)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(delay)
         self._task = asyncio.create_task(self._maintain(), name="cluster-heartbeat")
 
     async def close(self) -> None:
@@ -185,7 +214,7 @@ class RedisPresenceBackend:
         if joined:  # else start-up failed or was cancelled: there is nothing to leave
             try:
                 async with asyncio.timeout(3):
-                    await self._release_script(keys=[self._leader], args=[self._token])
+                    await self._lease.release()
                     await self._deregister_script(
                         keys=[self._nodes, self._node_key], args=[self._node_id, self._hints]
                     )
@@ -232,7 +261,7 @@ class RedisPresenceBackend:
     async def commit(self, delta: PresenceDelta, changes: Changes) -> bool:
         leaves = set(delta.leaves)
         args: list[Any] = [
-            self._token,
+            self._lease.token,
             delta.seq,
             delta.total_count,
             self._deltas,
@@ -241,11 +270,11 @@ class RedisPresenceBackend:
         for user, state in changes.items():
             args += [user, _state(state), "1" if user in leaves else "0"]
         result = await self._commit_script(
-            keys=[self._leader, self._seq, self._committed], args=args
+            keys=[self._lease.key, self._seq, self._committed], args=args
         )
         if result == 1:
             return True
-        commits_refused.inc()
+        self._commits_refused.inc()
         if result == 0:
             self._leading = False
             log.warning("presence commit at seq %d fenced: this node no longer leads", delta.seq)
@@ -255,20 +284,17 @@ class RedisPresenceBackend:
 
     async def lead(self) -> bool:
         try:
-            args: list[Any] = [self._token, self._lease_ms]
-            result = await self._lead_script(keys=[self._leader], args=args)
+            state = await self._lease.renew()
         except BaseException:
             self._leading = False
             raise
-        if result == 2 and self._leading:
+        if state is LeaseState.ACQUIRED and self._leading:
             # The lease lapsed while held (a Redis restart, a long pause): give
             # the role up for one round so the writer reloads the committed state.
             log.warning("presence lease lapsed while held; reloading before writing again")
             self._leading = False
             return False
-        self._leading = result in (1, 2)
-        if self._leading:
-            self._lead_until = time.monotonic() + self._lease_ms / 1000
+        self._leading = state is not LeaseState.LOST
         return self._leading
 
     async def members(self) -> list[Member]:
@@ -277,7 +303,7 @@ class RedisPresenceBackend:
         beats: list[tuple[bytes, float]] = await self._client.zrange(
             self._nodes, 0, -1, withscores=True
         )
-        leader = await self._client.get(self._leader)
+        leader = await self._client.get(self._lease.key)
         writer = _text(leader).split("/", 1)[0] if leader is not None else None
         pipe = self._client.pipeline(transaction=False)
         for raw, _ in beats:
@@ -339,7 +365,7 @@ class RedisPresenceBackend:
         now = time.monotonic()
         return (
             self._leading
-            and now < self._lead_until
+            and now < self._lease.valid_until
             and self._bus.connected
             # After an outage every heartbeat is old: give all nodes time to return.
             and now - self._bus.connected_since >= self._timeout_ms / 1000
@@ -351,7 +377,7 @@ class RedisPresenceBackend:
             args=[PRESENCE_NAMESPACE, self._timeout_ms, TOMBSTONE_MS, self._hints, self._node_id],
         )
         for node_id in swept:
-            nodes_swept.inc()
+            self._nodes_swept.inc()
             log.warning(
                 "node %s missed heartbeats for %d ms: its users are withdrawn",
                 node_id.decode(),

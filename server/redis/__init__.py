@@ -1,1 +1,2 @@
-"""Redis plumbing shared by the bus, streams and coordination: pipelines, coalescing."""
+"""Redis plumbing shared by the bus, streams, presence and coordination: clients,
+scripts, key layout, pipelines, coalescing."""

@@ -17,7 +17,7 @@ Errors are handled the way ``RedisCluster`` would, explicitly:
   command on the target, back to back on its connection;
 - ``TRYAGAIN``/``CLUSTERDOWN``, or a lost or refused connection (a primary
   killed, its replica not promoted yet): re-read the slot map and resend every
-  ``FAILOVER_RETRY_S`` until the deadline.
+  ``FAILOVER_RETRY_S`` until the deadline (``FAILOVER_BACKOFF``).
 
 A command whose connection died after it was written may have run; it is
 resent like the one ``RedisCluster`` (and ``through_failover``) would resend.
@@ -53,22 +53,16 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from server.runtime.metrics import REGISTRY
+from server.runtime.backoff import Backoff, Retrying
+from server.runtime.metrics import Registry
 
 log = logging.getLogger(__name__)
 
 FAILOVER_RETRY_S = 0.1
+FAILOVER_BACKOFF = Backoff(first=FAILOVER_RETRY_S, cap=FAILOVER_RETRY_S, jitter=0.0)
+"""A failover is polled at a steady pace: the promotion's end is what matters, not load."""
 STALL_TIMEOUT_S = 5.0
 """A connection with commands outstanding and no reply for this long is dead."""
-
-retries = REGISTRY.counter(
-    "ap_bus_failover_retries_total",
-    "Redis Cluster commands (SPUBLISH, stream appends) retried during a failover",
-)
-ordered_drops = REGISTRY.counter(
-    "ap_bus_ordered_publish_drops_total",
-    "Redis Cluster publishes given up after the failover deadline (ap:{games})",
-)
 
 _TRANSIENT = (
     RedisClusterException,  # no slot map yet, or a slot not covered
@@ -207,7 +201,17 @@ class ShardPipes:
         *,
         client_name: str | None = None,
         stall_timeout: float = STALL_TIMEOUT_S,
+        metrics: Registry | None = None,
     ) -> None:
+        registry = metrics or Registry()
+        self.retries = registry.counter(
+            "ap_bus_failover_retries_total",
+            "Redis Cluster commands (SPUBLISH, stream appends, scripts) retried during a failover",
+        )
+        self.ordered_drops = registry.counter(
+            "ap_bus_ordered_publish_drops_total",
+            "Redis Cluster publishes given up after the failover deadline (ap:{games})",
+        )
         self._cluster = cluster  # its slot map; the bus refreshes it on every repair
         self._client_name = client_name
         self._stall_timeout = stall_timeout
@@ -240,7 +244,8 @@ class ShardPipes:
 
     async def execute(self, slot: int, args: tuple[Any, ...], deadline: float) -> Any:
         """Run one command on the primary of ``slot``, through redirects and failovers
-        until ``time.monotonic() > deadline``."""
+        until ``deadline`` (``time.monotonic()``)."""
+        retrying: Retrying | None = None
         while True:
             try:
                 return await self._pipe_for(slot).submit(args)[0]
@@ -259,13 +264,23 @@ class ShardPipes:
                     error = transient
             except _TRANSIENT as exc:
                 error = exc
-            if self._closing or time.monotonic() + FAILOVER_RETRY_S > deadline:
+            if self._closing:
                 raise error
-            retries.inc()
-            if not isinstance(error, MovedError):
-                await asyncio.sleep(FAILOVER_RETRY_S)
-                with contextlib.suppress(RedisError, RedisClusterException, OSError):
-                    await self._cluster.nodes_manager.initialize()
+            if isinstance(error, MovedError):
+                # The map is right again: resend at once, while there is time.
+                if time.monotonic() >= deadline:
+                    raise error
+                self.retries.inc()
+                continue
+            if retrying is None:
+                retrying = FAILOVER_BACKOFF.start(deadline=deadline)
+            delay = retrying.next_delay()
+            if delay is None:
+                raise error
+            self.retries.inc()
+            await asyncio.sleep(delay)
+            with contextlib.suppress(RedisError, RedisClusterException, OSError):
+                await self._cluster.nodes_manager.initialize()
 
     async def script(
         self, slot: int, script: Script, keys: Sequence[Any], args: Sequence[Any], deadline: float
@@ -346,7 +361,7 @@ class _OrderedPublisher:
                     args = ("SPUBLISH", self._channel, message)
                     await self._pipes.execute(self._slot, args, deadline)
                 except (RedisError, OSError) as exc:
-                    ordered_drops.inc()
+                    self._pipes.ordered_drops.inc()
                     log.warning("SPUBLISH on %s given up: %s", self._channel, exc)
 
     async def close(self) -> None:

@@ -46,22 +46,33 @@ from protocol.streams import (
 from server.bus.topics import ALL_GAMES, PRESENCE, PRESENCE_HINTS, game_topic
 from server.routing.history_reads import HistoryReads
 from server.routing.index import HubIndex
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.session import Session, send_frame
 
 log = logging.getLogger(__name__)
 
-events_received = REGISTRY.counter("ap_bus_messages_total", "Envelopes received from the bus")
-bad_envelopes = REGISTRY.counter("ap_bus_bad_envelopes_total", "Envelopes that failed to decode")
-stream_gaps = REGISTRY.counter(
-    "ap_stream_gaps_total", "Holes in a stream this node heard, repaired from history or not"
-)
-stream_losses = REGISTRY.counter(
-    "ap_stream_losses_total", "Times this node told its clients recovered:false for a stream"
-)
-stream_repaired = REGISTRY.counter(
-    "ap_stream_repaired_events_total", "Events this node missed live and delivered from history"
-)
+
+class DeliveryCounters:
+    """The delivery's counters, on its node's registry."""
+
+    def __init__(self, registry: Registry) -> None:
+        counter = registry.counter
+        self.events_received = counter("ap_bus_messages_total", "Envelopes received from the bus")
+        self.bad_envelopes = counter(
+            "ap_bus_bad_envelopes_total", "Envelopes that failed to decode"
+        )
+        self.stream_gaps = counter(
+            "ap_stream_gaps_total",
+            "Holes in a stream this node heard, repaired from history or not",
+        )
+        self.stream_losses = counter(
+            "ap_stream_losses_total",
+            "Times this node told its clients recovered:false for a stream",
+        )
+        self.stream_repaired = counter(
+            "ap_stream_repaired_events_total",
+            "Events this node missed live and delivered from history",
+        )
 
 
 class PresenceFeed(Protocol):
@@ -84,7 +95,9 @@ class StreamDelivery:
         presence: PresenceFeed,
         after_loss: AfterLoss,
         outbox_limit: int,
+        metrics: Registry,
     ) -> None:
+        self._counts = DeliveryCounters(metrics)
         self._index = index
         self._history = history
         self._presence = presence
@@ -105,7 +118,7 @@ class StreamDelivery:
             task.cancel()
 
     def on_bus_message(self, topic: str, data: bytes) -> None:
-        events_received.inc()
+        self._counts.events_received.inc()
         try:
             if is_positioned(data):
                 positioned = decode_positioned(data)
@@ -115,7 +128,7 @@ class StreamDelivery:
                 return
             envelope = decode_envelope(data)
         except EnvelopeError as exc:
-            bad_envelopes.inc()
+            self._counts.bad_envelopes.inc()
             log.warning("dropped envelope on %s: %s", topic, exc)
             return
         if isinstance(envelope, Broadcast):
@@ -186,7 +199,7 @@ class StreamDelivery:
             cursor = self.cursors[stream] = StreamCursor()
         arrival = cursor.receive(epoch, offset, repairing=repairing)
         if arrival.step is Step.GAP:
-            stream_gaps.inc()
+            self._counts.stream_gaps.inc()
         if arrival.repair:
             self._repairing[stream] = [(positioned, message)]
             self._spawn(self._repair(stream), f"repair {stream}")
@@ -220,7 +233,7 @@ class StreamDelivery:
             if repair.lost is not None:
                 self._lost(stream, repair.lost.epoch, repair.lost.offset)
             for offset, envelope in repair.events:
-                stream_repaired.inc()
+                self._counts.stream_repaired.inc()
                 self._deliver(stream, history.epoch, offset, envelope)
         # Arrival order is stream order (Redis publishes a stream's events in order).
         for positioned, message in pending:
@@ -262,7 +275,7 @@ class StreamDelivery:
 
     def _lost(self, stream: str, epoch: str, top: int) -> None:
         """This node cannot prove continuity on ``stream``: its speakers must refetch."""
-        stream_losses.inc()
+        self._counts.stream_losses.inc()
         frame = Frame(Recovered(stream, False, epoch, top))
         for session in self._index.speakers.get(stream, ()):
             if stream in session.recovering:

@@ -25,7 +25,7 @@ from protocol.envelope import EnvelopeError, decode_envelope
 from protocol.messages import Broadcast
 from protocol.streams import HistoryRead
 from server.bus.streams import HistoryAsk, Streams
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 
 READ_BATCH = 256
 """Most streams in one round trip: at the default history size (50) a full batch
@@ -37,13 +37,6 @@ DECODED_CACHE = 16384
 """Decoded events kept, least recently used out: a storm reads the same streams
 again and again, and an event's bytes at one position never change."""
 
-history_batches = REGISTRY.counter(
-    "ap_stream_history_batches_total", "Round trips that read stream histories"
-)
-history_reads = REGISTRY.counter(
-    "ap_stream_history_reads_total", "Stream histories read (after sharing within a batch)"
-)
-
 DecodedRead = HistoryRead[Broadcast]
 
 
@@ -53,7 +46,16 @@ class HistoryReads:
         streams: Streams,
         batch_size: int = READ_BATCH,
         in_flight: int = BATCHES_IN_FLIGHT,
+        *,
+        metrics: Registry | None = None,
     ) -> None:
+        registry = metrics or Registry()
+        self._batches_read = registry.counter(
+            "ap_stream_history_batches_total", "Round trips that read stream histories"
+        )
+        self._reads = registry.counter(
+            "ap_stream_history_reads_total", "Stream histories read (after sharing within a batch)"
+        )
         self._streams = streams
         self._batch_size = batch_size
         self._max_in_flight = in_flight
@@ -96,8 +98,8 @@ class HistoryReads:
             self._send()
 
     async def _read_batch(self, batch: dict[HistoryAsk, asyncio.Future[DecodedRead]]) -> None:
-        history_batches.inc()
-        history_reads.inc(len(batch))
+        self._batches_read.inc()
+        self._reads.inc(len(batch))
         try:
             reads = await self._streams.read_many(list(batch))
         except BaseException as exc:

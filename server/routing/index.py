@@ -20,19 +20,24 @@ from protocol.streams import game_stream, stream_game, stream_user, user_stream
 from server.bus.base import Bus
 from server.bus.topics import ALL_GAMES, game_topic
 from server.config import Settings
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Counter, Registry
 from server.runtime.write_behind import CoalescingFlusher
 from server.session import Session
 
-bus_failures = REGISTRY.counter(
-    "ap_bus_subscription_retries_total", "Bus subscription changes that failed and were retried"
-)
+
+def bus_failures(metrics: Registry) -> Counter:
+    """Shared by every flusher of bus changes (topics here, presence reports)."""
+    return metrics.counter(
+        "ap_bus_subscription_retries_total", "Bus subscription changes that failed and were retried"
+    )
 
 
 class HubIndex:
     """This node's sessions and the indexes that route events to them."""
 
-    def __init__(self, settings: Settings, bus: Bus, released: Callable[[str], None]) -> None:
+    def __init__(
+        self, settings: Settings, bus: Bus, released: Callable[[str], None], metrics: Registry
+    ) -> None:
         """``released`` is told of a stream nobody on this node holds any more."""
         self._settings = settings
         self._bus = bus
@@ -49,10 +54,10 @@ class HubIndex:
         # one frame per event on the fast path.
         self.speakers: dict[str, set[Session]] = {}
         self.topics: CoalescingFlusher[str, bool] = CoalescingFlusher(
-            "bus-topics", self._apply_topics, lambda _old, new: new, bus_failures
+            "bus-topics", self._apply_topics, lambda _old, new: new, bus_failures(metrics)
         )
-        REGISTRY.gauge("ap_connections", "Open WebSocket sessions", lambda: len(self.sessions))
-        REGISTRY.gauge("ap_watched_games", "Games watched on this node", lambda: len(self.by_game))
+        metrics.gauge("ap_connections", "Open WebSocket sessions", lambda: len(self.sessions))
+        metrics.gauge("ap_watched_games", "Games watched on this node", lambda: len(self.by_game))
 
     # --- admission ------------------------------------------------------------
 

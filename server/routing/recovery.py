@@ -38,15 +38,10 @@ from protocol.streams import (
 )
 from server.routing.history_reads import HistoryReads
 from server.routing.subscribe_batching import SubscribeBatcher
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.session import Session, send_frames
 
 log = logging.getLogger(__name__)
-
-recoveries = REGISTRY.counter("ap_stream_recoveries_total", "Client recoveries answered")
-recoveries_failed = REGISTRY.counter(
-    "ap_stream_recoveries_failed_total", "Client recoveries answered with recovered:false"
-)
 
 REPLAY_FRAME_CACHE = 16384
 """Replayed frames (and ``recovered: true`` answers) kept, least recently used
@@ -56,8 +51,18 @@ with 10 missed events each replays 10,000 distinct frames (about 1 KB each)."""
 
 class Recovery:
     def __init__(
-        self, history: HistoryReads, subscribes: SubscribeBatcher, outbox_limit: int
+        self,
+        history: HistoryReads,
+        subscribes: SubscribeBatcher,
+        outbox_limit: int,
+        metrics: Registry,
     ) -> None:
+        self._recoveries = metrics.counter(
+            "ap_stream_recoveries_total", "Client recoveries answered"
+        )
+        self._recoveries_failed = metrics.counter(
+            "ap_stream_recoveries_failed_total", "Client recoveries answered with recovered:false"
+        )
         self._history = history
         # Every subscribe a recovery waits for goes out in batches, so a storm's are a few calls.
         self._subscribes = subscribes
@@ -123,7 +128,7 @@ class Recovery:
         buffered: list[tuple[str, int, Broadcast]],
         out: list[Frame],
     ) -> None:
-        recoveries.inc()
+        self._recoveries.inc()
         positions = session.positions
         assert positions is not None
         if isinstance(history, BaseException):
@@ -138,7 +143,7 @@ class Recovery:
             recovered = Recovered(stream, True, epoch, offset)
             out.append(self._replay_frame((stream, epoch, offset, "recovered"), lambda: recovered))
         else:
-            recoveries_failed.inc()
+            self._recoveries_failed.inc()
             out.append(Frame(Recovered(stream, False, epoch, offset)))
         positions[stream] = (epoch, offset)
         for event_offset, message in answer.live:

@@ -13,14 +13,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.runtime.write_behind import CoalescingFlusher
 from server.session import Session
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
-
-store_write_failures = REGISTRY.counter(
-    "ap_store_write_retries_total", "Connection row writes that failed and were queued again"
-)
 
 UPDATE_CONCURRENCY = 16
 
@@ -73,12 +69,17 @@ def merge(older: RowOp, newer: RowOp) -> RowOp:
 
 
 class ConnectionRegistry:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, metrics: Registry | None = None) -> None:
+        registry = metrics or Registry()
+        failures = registry.counter(
+            "ap_store_write_retries_total",
+            "Connection row writes that failed and were queued again",
+        )
         self._store = store
         self._flusher: CoalescingFlusher[str, RowOp] = CoalescingFlusher(
-            "connection-rows", self._flush, merge, store_write_failures
+            "connection-rows", self._flush, merge, failures
         )
-        REGISTRY.gauge(
+        registry.gauge(
             "ap_store_write_backlog",
             "Connection row operations waiting to be written",
             lambda: float(self._flusher.backlog),

@@ -1,7 +1,10 @@
-"""Process-wide counters and gauges, rendered in the Prometheus text format.
+"""Counters and gauges, rendered in the Prometheus text format.
 
-Each component registers its own metrics at import time, so ``/metrics`` shows
-every one of them even before it first moves.
+Each node owns a :class:`Registry` (made where the node is wired, ``server/app.py``);
+every component that counts something is given it, or a bundle of its counters,
+when it is built, and registers its metrics then, so ``/metrics`` shows every one
+of them even before it first moves. Two nodes in one process (the tests run
+several) therefore never share, or overwrite, each other's counters and gauges.
 
 Hand-written rather than ``prometheus-client``: counters here are bumped on the
 fan-out path once per batch of frames, and a plain float add is several times
@@ -104,9 +107,6 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-REGISTRY = Registry()
-
-
 def _process_cpu_seconds() -> float:
     import os
 
@@ -126,7 +126,9 @@ def _process_rss_bytes() -> float:
     return float(pages * resource.getpagesize())
 
 
-REGISTRY.counter_func(
-    "process_cpu_seconds_total", "User and system CPU seconds", _process_cpu_seconds
-)
-REGISTRY.gauge("process_resident_memory_bytes", "Resident set size", _process_rss_bytes)
+def register_process(registry: Registry) -> None:
+    """The process's own readings (CPU time, resident memory) on a node's registry."""
+    registry.counter_func(
+        "process_cpu_seconds_total", "User and system CPU seconds", _process_cpu_seconds
+    )
+    registry.gauge("process_resident_memory_bytes", "Resident set size", _process_rss_bytes)

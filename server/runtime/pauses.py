@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 
 log = logging.getLogger(__name__)
 
@@ -26,40 +26,42 @@ LAG_TICK = 0.05
 LAG_REPORTED = 0.02
 """Wake-ups later than this count as a stall (20 ms: well above a normal step)."""
 
-gc_pause_seconds = REGISTRY.counter(
-    "ap_gc_pause_seconds_total", "Time the loop spent in the garbage collector"
-)
-gc_full_collections = REGISTRY.counter(
-    "ap_gc_full_collections_total", "Collections of the oldest generation (the long ones)"
-)
-gc_long_pauses = REGISTRY.counter(
-    "ap_gc_long_pauses_total", f"Collector pauses longer than {LAG_REPORTED * 1000:g} ms"
-)
-loop_stalls = REGISTRY.counter(
-    "ap_loop_stalls_total", f"Times the loop woke more than {LAG_REPORTED * 1000:g} ms late"
-)
-loop_stall_seconds = REGISTRY.counter(
-    "ap_loop_stall_seconds_total", "How late the loop woke, summed over those stalls"
-)
-loop_busy_stalls = REGISTRY.counter(
-    "ap_loop_busy_stalls_total",
-    "Stalls in which this process itself computed for longer than a stall: its own long "
-    "steps, as opposed to waiting for a CPU that others held",
-)
-
 
 class PauseWatch:
-    def __init__(self) -> None:
+    """The process's pauses (collector, late loop wake-ups), on a node's registry."""
+
+    def __init__(self, metrics: Registry | None = None) -> None:
+        registry = metrics or Registry()
+        self._gc_pause_seconds = registry.counter(
+            "ap_gc_pause_seconds_total", "Time the loop spent in the garbage collector"
+        )
+        self._gc_full_collections = registry.counter(
+            "ap_gc_full_collections_total", "Collections of the oldest generation (the long ones)"
+        )
+        self._gc_long_pauses = registry.counter(
+            "ap_gc_long_pauses_total", f"Collector pauses longer than {LAG_REPORTED * 1000:g} ms"
+        )
+        self._loop_stalls = registry.counter(
+            "ap_loop_stalls_total", f"Times the loop woke more than {LAG_REPORTED * 1000:g} ms late"
+        )
+        self._loop_stall_seconds = registry.counter(
+            "ap_loop_stall_seconds_total", "How late the loop woke, summed over those stalls"
+        )
+        self._loop_busy_stalls = registry.counter(
+            "ap_loop_busy_stalls_total",
+            "Stalls in which this process itself computed for longer than a stall: its own long "
+            "steps, as opposed to waiting for a CPU that others held",
+        )
         self.longest_gc = 0.0
         self.longest_lag = 0.0
         self._gc_started = 0.0
         self._task: asyncio.Task[None] | None = None
-        REGISTRY.gauge(
+        registry.gauge(
             "ap_gc_longest_pause_seconds",
             "Longest garbage-collector pause",
             lambda: self.longest_gc,
         )
-        REGISTRY.gauge(
+        registry.gauge(
             "ap_loop_longest_lag_seconds",
             "Longest late wake-up of the loop",
             lambda: self.longest_lag,
@@ -80,10 +82,10 @@ class PauseWatch:
             self._gc_started = time.perf_counter()
             return
         took = time.perf_counter() - self._gc_started
-        gc_pause_seconds.inc(took)
+        self._gc_pause_seconds.inc(took)
         self.longest_gc = max(self.longest_gc, took)
         if took > LAG_REPORTED:
-            gc_long_pauses.inc()
+            self._gc_long_pauses.inc()
             log.info(
                 "collector paused the loop %.0f ms (generation %s, %s freed)",
                 took * 1000,
@@ -91,7 +93,7 @@ class PauseWatch:
                 info.get("collected"),
             )
         if info.get("generation") == 2:
-            gc_full_collections.inc()
+            self._gc_full_collections.inc()
 
     async def _watch_lag(self) -> None:
         loop = asyncio.get_running_loop()
@@ -101,8 +103,8 @@ class PauseWatch:
             await asyncio.sleep(LAG_TICK)
             lag = loop.time() - asked
             if lag > LAG_REPORTED:
-                loop_stalls.inc()
-                loop_stall_seconds.inc(lag)
+                self._loop_stalls.inc()
+                self._loop_stall_seconds.inc(lag)
                 if time.thread_time() - cpu > LAG_TICK + LAG_REPORTED:
-                    loop_busy_stalls.inc()
+                    self._loop_busy_stalls.inc()
             self.longest_lag = max(self.longest_lag, lag)

@@ -26,17 +26,12 @@ import gc
 import time
 from collections.abc import Callable
 
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 
 RECLAIM_INTERVAL = 5.0
 RECLAIM_AFTER_CLOSES = 200  # fewer closes free too little to be worth it
 YOUNG_OBJECTS_COLLECTED = 20_000
 """Most objects in generations 0 and 1 for a reclaim to collect them (~10 ms)."""
-
-reclaims = REGISTRY.counter("ap_memory_reclaims_total", "Reclaims after waves of disconnects")
-reclaim_seconds = REGISTRY.counter(
-    "ap_memory_reclaim_seconds_total", "Time the loop spent in those reclaims"
-)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -51,10 +46,17 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 class Reclaimer:
-    def __init__(self) -> None:
+    def __init__(self, metrics: Registry | None = None) -> None:
+        registry = metrics or Registry()
+        self._reclaims = registry.counter(
+            "ap_memory_reclaims_total", "Reclaims after waves of disconnects"
+        )
+        self._seconds = registry.counter(
+            "ap_memory_reclaim_seconds_total", "Time the loop spent in those reclaims"
+        )
         self.closes = 0
         self.longest = 0.0
-        REGISTRY.gauge(
+        registry.gauge(
             "ap_memory_reclaim_longest_seconds",
             "Longest loop pause a reclaim caused",
             lambda: self.longest,
@@ -80,8 +82,8 @@ class Reclaimer:
         if self._trim is not None:
             self._trim(0)
         took = time.perf_counter() - started
-        reclaims.inc()
-        reclaim_seconds.inc(took)
+        self._reclaims.inc()
+        self._seconds.inc(took)
         self.longest = max(self.longest, took)
 
     async def _run(self) -> None:

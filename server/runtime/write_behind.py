@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
+from server.runtime.backoff import Backoff
 from server.runtime.metrics import Counter
 
 K = TypeVar("K")
@@ -73,7 +73,7 @@ class CoalescingFlusher(Generic[K, V]):
         await self._idle.wait()
 
     async def _run(self) -> None:
-        attempt = 0
+        retrying = Backoff(first=0.1, cap=self._max_backoff).start()
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
@@ -90,9 +90,18 @@ class CoalescingFlusher(Generic[K, V]):
                     for key, value in failed.items():
                         newer = self._pending.get(key)
                         self._pending[key] = value if newer is None else self._merge(value, newer)
-                    attempt += 1
-                    delay = min(self._max_backoff, 0.05 * 2**attempt)
-                    await asyncio.sleep(random.uniform(delay / 2, delay))
+                    await retrying.wait()
                 else:
-                    attempt = 0
+                    retrying.reset()
             self._idle.set()
+
+
+class Drains(Protocol):
+    async def drained(self) -> None: ...
+
+
+async def drained_within(seconds: float, *pending: Drains) -> None:
+    """Give each write-behind up to ``seconds`` to send what it holds, then go on."""
+    for part in pending:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(part.drained(), seconds)

@@ -18,7 +18,7 @@ from protocol.codec import Frame
 from protocol.errors import MAX_WATCHED_GAMES, CloseCode, ErrorCode
 from protocol.messages import GameKey, PendingTurns, game_key
 from protocol.streams import user_stream
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.services import Watch
 from server.session import Session
 from server.store.base import CurrentGame, Store, StoreUnavailable
@@ -31,9 +31,6 @@ KNOWN_BOT_CACHE_SECONDS = 60.0
 UNKNOWN_BOT_CACHE_SECONDS = 5.0
 """How long a missing ``BOT`` row is remembered: short, so a newly created bot
 can connect at once, yet a reconnect loop of an unknown bot costs one read per 5 s."""
-
-bot_refusals = REGISTRY.counter("ap_bot_refusals_total", "Bot subscribes refused")
-pending_sent = REGISTRY.counter("ap_bot_pending_turns_total", "pendingTurns frames sent to bots")
 
 
 def is_to_move(game: CurrentGame, player_id: str) -> bool:
@@ -76,7 +73,13 @@ class BotService:
         watch: Watch,
         is_open: Callable[[Session], bool],
         clock: Callable[[], float] = time.monotonic,
+        metrics: Registry | None = None,
     ) -> None:
+        registry = metrics or Registry()
+        self._refusals = registry.counter("ap_bot_refusals_total", "Bot subscribes refused")
+        self._pending_sent = registry.counter(
+            "ap_bot_pending_turns_total", "pendingTurns frames sent to bots"
+        )
         self._store = store
         self._subscribe = subscribe
         self._watch = watch
@@ -134,7 +137,7 @@ class BotService:
         return True
 
     def _refuse(self, session: Session, code: ErrorCode, message: str, close: CloseCode) -> bool:
-        bot_refusals.inc()
+        self._refusals.inc()
         session.send_error(code, message, self._outbox_limit)
         session.close(close, code.value)
         return False
@@ -169,7 +172,7 @@ class BotService:
             if not self._is_open(session):
                 return
         pending = tuple((g.meta, g.game_id) for g in games if is_to_move(g, bot_id))
-        pending_sent.inc()
+        self._pending_sent.inc()
         session.send(Frame(PendingTurns(games=pending)), self._outbox_limit)
 
 

@@ -25,7 +25,7 @@ from protocol.messages import Chat, ChatAck
 from protocol.parse import parse_broadcast
 from server.coordination.game_lock import GameLocks, LockUnavailable
 from server.coordination.rate_limit import RateLimiter
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.services import Publish
 from server.services.chat_marks import ChatMarks
 from server.session import Session
@@ -36,13 +36,16 @@ log = logging.getLogger(__name__)
 
 RATE_WINDOW_SECONDS = 10.0
 
-comments_stored = REGISTRY.counter("ap_chat_comments_stored_total", "Comments appended")
-comments_refused = REGISTRY.counter(
-    "ap_chat_comments_refused_total", "Chat actions answered with an error frame"
-)
-comments_duplicate = REGISTRY.counter(
-    "ap_chat_duplicates_total", "Chat actions whose clientMsgId was already stored"
-)
+
+class _ChatCounters:
+    def __init__(self, registry: Registry) -> None:
+        self.stored = registry.counter("ap_chat_comments_stored_total", "Comments appended")
+        self.refused = registry.counter(
+            "ap_chat_comments_refused_total", "Chat actions answered with an error frame"
+        )
+        self.duplicate = registry.counter(
+            "ap_chat_duplicates_total", "Chat actions whose clientMsgId was already stored"
+        )
 
 
 class ChatRefused(Exception):
@@ -61,7 +64,10 @@ class ChatService:
         limiter: RateLimiter,
         marks: ChatMarks,
         outbox_limit: int,
+        *,
+        metrics: Registry | None = None,
     ) -> None:
+        self._counters = _ChatCounters(metrics or Registry())
         self._store = store
         self._publish = publish
         self._locks = locks
@@ -81,7 +87,7 @@ class ChatService:
         try:
             await self._post(session, user_id, action)
         except ChatRefused as refused:
-            comments_refused.inc()
+            self._counters.refused.inc()
             session.send_error(
                 refused.code, refused.message, self._outbox_limit, action.client_msg_id
             )
@@ -109,9 +115,9 @@ class ChatService:
                     )
                 self._ack(session, action, outcome.time_stamp)
                 if outcome.status is AppendStatus.DUPLICATE:
-                    comments_duplicate.inc()
+                    self._counters.duplicate.inc()
                     return  # stored and announced the first time
-                comments_stored.inc()
+                self._counters.stored.inc()
                 await held.confirm()
                 await self._announce(action, comment)
         except (StoreUnavailable, LockUnavailable) as exc:

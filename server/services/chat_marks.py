@@ -12,13 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.runtime.write_behind import CoalescingFlusher
 from server.store.base import Store
-
-mark_retries = REGISTRY.counter(
-    "ap_chat_mark_retries_total", "Dashboard chat marks that failed and were queued again"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +28,18 @@ def _newer(older: MarkJob, newer: MarkJob) -> MarkJob:
 
 
 class ChatMarks:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, metrics: Registry | None = None) -> None:
+        registry = metrics or Registry()
+        retries = registry.counter(
+            "ap_chat_mark_retries_total", "Dashboard chat marks that failed and were queued again"
+        )
         self._store = store
         # One pending job per (game, author): the author's own seen mark survives
         # another author's comment in the same flush.
         self._flusher: CoalescingFlusher[tuple[str, str], MarkJob] = CoalescingFlusher(
-            "chat-marks", self._flush, _newer, mark_retries
+            "chat-marks", self._flush, _newer, retries
         )
-        REGISTRY.gauge(
+        registry.gauge(
             "ap_chat_mark_backlog",
             "Dashboard chat marks waiting to be written",
             lambda: float(self._flusher.backlog),

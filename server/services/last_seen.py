@@ -15,15 +15,10 @@ import time
 from dataclasses import dataclass
 
 from server.coordination.claims import Claims
-from server.runtime.metrics import REGISTRY
+from server.runtime.metrics import Registry
 from server.runtime.write_behind import CoalescingFlusher
 from server.store.base import Store
 from server.store.records import LAST_SEEN_INTERVAL_MS
-
-writes = REGISTRY.counter("ap_last_seen_writes_total", "Conditional USERS.lastSeen updates sent")
-retries = REGISTRY.counter(
-    "ap_last_seen_retries_total", "USERS.lastSeen updates that failed and were queued again"
-)
 
 INTERVAL_SECONDS = LAST_SEEN_INTERVAL_MS / 1000
 CONCURRENCY = 8
@@ -40,7 +35,14 @@ def _merge(older: Touch, newer: Touch) -> Touch:
 
 
 class LastSeen:
-    def __init__(self, store: Store, claims: Claims) -> None:
+    def __init__(self, store: Store, claims: Claims, metrics: Registry | None = None) -> None:
+        registry = metrics or Registry()
+        self._writes = registry.counter(
+            "ap_last_seen_writes_total", "Conditional USERS.lastSeen updates sent"
+        )
+        retries = registry.counter(
+            "ap_last_seen_retries_total", "USERS.lastSeen updates that failed and were queued again"
+        )
         self._store = store
         self._claims = claims
         self._queued_at: dict[str, float] = {}
@@ -80,7 +82,7 @@ class LastSeen:
                         if not await self._claims.claim(user_id, INTERVAL_SECONDS):
                             return  # another node (or an earlier run) wrote it lately
                         job = Touch(job.at_ms, claimed=True)
-                    writes.inc()
+                    self._writes.inc()
                     await self._store.touch_last_seen(user_id, job.at_ms)
                 except Exception:
                     failed[user_id] = job

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import aioboto3
@@ -23,7 +23,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from server.runtime.metrics import REGISTRY
+from server.runtime.backoff import Backoff
+from server.runtime.metrics import Registry
 from server.store import keys
 from server.store.base import (
     STREAM_CHECKPOINT_TTL_SECONDS,
@@ -51,8 +52,8 @@ MAX_ATTEMPTS = 8
 START_ATTEMPTS = 2
 """Attempts of the reachability check in ``start()``: a wrong endpoint fails fast."""
 
-BACKOFF_BASE_SECONDS = 0.05
-BACKOFF_CAP_SECONDS = 2.0
+BACKOFF = Backoff(first=0.05, cap=2.0)
+"""Between two attempts of one request (or two rounds of unprocessed items)."""
 
 CONNECT_TIMEOUT_SECONDS = 2.0
 READ_TIMEOUT_SECONDS = 5.0
@@ -77,19 +78,26 @@ CONDITIONAL_CHECK_FAILED = "ConditionalCheckFailedException"
 RESOURCE_NOT_FOUND = "ResourceNotFoundException"
 RESOURCE_IN_USE = "ResourceInUseException"
 
-RETRIES = REGISTRY.counter(
-    "ap_dynamodb_retries_total", "DynamoDB requests retried after a transient error."
-)
-THROTTLES = REGISTRY.counter(
-    "ap_dynamodb_throttles_total", "DynamoDB requests refused for throttling (then retried)."
-)
-UNPROCESSED = REGISTRY.counter(
-    "ap_dynamodb_unprocessed_items_total",
-    "Items a BatchWriteItem returned unprocessed (then written again).",
-)
-FAILURES = REGISTRY.counter(
-    "ap_dynamodb_failures_total", "DynamoDB requests given up on (raised StoreUnavailable)."
-)
+
+class StoreCounters:
+    """What the retry loop counts, on a registry (the node's, when wiring built the store)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.retries = registry.counter(
+            "ap_dynamodb_retries_total", "DynamoDB requests retried after a transient error."
+        )
+        self.throttles = registry.counter(
+            "ap_dynamodb_throttles_total",
+            "DynamoDB requests refused for throttling (then retried).",
+        )
+        self.unprocessed = registry.counter(
+            "ap_dynamodb_unprocessed_items_total",
+            "Items a BatchWriteItem returned unprocessed (then written again).",
+        )
+        self.failures = registry.counter(
+            "ap_dynamodb_failures_total", "DynamoDB requests given up on (raised StoreUnavailable)."
+        )
+
 
 _CONNECTIONS_PK_VALUE: dict[str, Any] = {":pk": {"S": keys.CONNECTIONS_PK}}
 
@@ -106,12 +114,6 @@ def _client_config() -> Config:
 
 def _where(endpoint_url: str | None, region: str) -> str:
     return endpoint_url if endpoint_url else f"AWS DynamoDB in {region}"
-
-
-def backoff_delay(attempt: int) -> float:
-    """Seconds to wait before retry number ``attempt`` (1-based): jittered, capped."""
-    ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** (attempt - 1))
-    return random.uniform(ceiling / 2, ceiling)
 
 
 def error_code(exc: ClientError) -> str:
@@ -135,6 +137,7 @@ async def call_with_retry(
     *,
     where: str,
     table: str,
+    counters: StoreCounters,
     attempts: int = MAX_ATTEMPTS,
     passthrough: frozenset[str] = frozenset(),
     **params: Any,
@@ -145,7 +148,8 @@ async def call_with_retry(
     caller to handle; every other failure becomes StoreUnavailable.
     """
     method = getattr(client, operation)
-    for attempt in range(1, attempts + 1):
+    retrying = replace(BACKOFF, attempts=attempts).start()
+    while True:
         try:
             response: dict[str, Any] = await method(**params)
             return response
@@ -154,44 +158,43 @@ async def call_with_retry(
             if code in passthrough:
                 raise
             if not _is_transient(exc):
-                FAILURES.inc()
+                counters.failures.inc()
                 raise StoreUnavailable(
                     f"DynamoDB {operation} on table {table!r} at {where} failed: "
                     f"{code}: {_error_message(exc)}"
                 ) from exc
             if code in THROTTLE_CODES:
-                THROTTLES.inc()
+                counters.throttles.inc()
             reason = f"{code}: {_error_message(exc)}"
             last: Exception = exc
         except (BotoConnectionError, HTTPClientError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
             last = exc
         except BotoCoreError as exc:
-            FAILURES.inc()
+            counters.failures.inc()
             raise StoreUnavailable(
                 f"DynamoDB {operation} on table {table!r} at {where} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        if attempt == attempts:
-            FAILURES.inc()
+        delay = retrying.next_delay()
+        if delay is None:
+            counters.failures.inc()
             raise StoreUnavailable(
                 f"DynamoDB {operation} on table {table!r} at {where} failed after "
                 f"{attempts} attempts: {reason}"
             ) from last
-        delay = backoff_delay(attempt)
-        RETRIES.inc()
+        counters.retries.inc()
         log.warning(
             "DynamoDB %s on %r at %s: %s; retry %d/%d in %.2fs",
             operation,
             table,
             where,
             reason,
-            attempt,
+            retrying.failures,
             attempts - 1,
             delay,
         )
         await asyncio.sleep(delay)
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _chunks(items: Sequence[dict[str, Any]], size: int) -> Iterable[list[dict[str, Any]]]:
@@ -209,7 +212,10 @@ class DynamoStore(GameRecordsMixin):
         endpoint_url: str | None = None,
         *,
         max_attempts: int = MAX_ATTEMPTS,
+        metrics: Registry | None = None,
     ) -> None:
+        self.metrics = metrics or Registry()
+        self._counters = StoreCounters(self.metrics)
         self.table = table
         self.region = region
         self.endpoint_url = endpoint_url
@@ -249,6 +255,7 @@ class DynamoStore(GameRecordsMixin):
                 "describe_table",
                 where=self._where,
                 table=self.table,
+                counters=self._counters,
                 attempts=START_ATTEMPTS,
                 passthrough=frozenset({RESOURCE_NOT_FOUND}),
                 TableName=self.table,
@@ -283,6 +290,7 @@ class DynamoStore(GameRecordsMixin):
             operation,
             where=self._where,
             table=self.table,
+            counters=self._counters,
             attempts=self._max_attempts,
             passthrough=passthrough,
             **params,
@@ -328,7 +336,7 @@ class DynamoStore(GameRecordsMixin):
     async def _write_chunk(self, chunk: list[dict[str, Any]]) -> None:
         """One BatchWriteItem, then its UnprocessedItems again until none are left."""
         pending = chunk
-        stalled = 0
+        stalled = replace(BACKOFF, attempts=self._max_attempts).start()
         while pending:
             response = await self._call("batch_write_item", RequestItems={self.table: pending})
             unprocessed: list[dict[str, Any]] = response.get("UnprocessedItems", {}).get(
@@ -336,16 +344,17 @@ class DynamoStore(GameRecordsMixin):
             )
             if not unprocessed:
                 return
-            UNPROCESSED.inc(len(unprocessed))
-            stalled = stalled + 1 if len(unprocessed) >= len(pending) else 1
-            if stalled >= self._max_attempts:
-                FAILURES.inc()
+            self._counters.unprocessed.inc(len(unprocessed))
+            if len(unprocessed) < len(pending):
+                stalled.reset()  # progress: only rounds without any count
+            delay = stalled.next_delay()
+            if delay is None:
+                self._counters.failures.inc()
                 raise StoreUnavailable(
                     f"DynamoDB batch_write_item on table {self.table!r} at {self._where}: "
-                    f"{len(unprocessed)} items still unprocessed after {stalled} rounds"
+                    f"{len(unprocessed)} items still unprocessed after {stalled.failures} rounds"
                 )
-            delay = backoff_delay(stalled)
-            RETRIES.inc()
+            self._counters.retries.inc()
             log.warning(
                 "DynamoDB batch_write_item on %r: %d of %d items unprocessed; retry in %.2fs",
                 self.table,
@@ -688,6 +697,7 @@ async def create_table(
     refuses, or when TTL is already enabled on another attribute.
     """
     where = _where(endpoint_url, region)
+    counters = StoreCounters(Registry())  # a command of its own, outside any node
     session = aioboto3.Session()
     async with session.client(
         "dynamodb", endpoint_url=endpoint_url, region_name=region, config=_client_config()
@@ -698,6 +708,7 @@ async def create_table(
                 "create_table",
                 where=where,
                 table=table,
+                counters=counters,
                 passthrough=frozenset({RESOURCE_IN_USE}),
                 TableName=table,
                 AttributeDefinitions=[
@@ -728,12 +739,17 @@ async def create_table(
                 f"DynamoDB table {table!r} at {where} did not become ACTIVE: {exc}"
             ) from exc
         described = await call_with_retry(
-            client, "describe_table", where=where, table=table, TableName=table
+            client, "describe_table", where=where, table=table, counters=counters, TableName=table
         )
         _check_description(described.get("Table", {}), table, where)
 
         ttl = await call_with_retry(
-            client, "describe_time_to_live", where=where, table=table, TableName=table
+            client,
+            "describe_time_to_live",
+            where=where,
+            table=table,
+            counters=counters,
+            TableName=table,
         )
         ttl_description = ttl.get("TimeToLiveDescription", {})
         status = ttl_description.get("TimeToLiveStatus", "DISABLED")
@@ -750,6 +766,7 @@ async def create_table(
             "update_time_to_live",
             where=where,
             table=table,
+            counters=counters,
             TableName=table,
             TimeToLiveSpecification={"Enabled": True, "AttributeName": keys.TTL},
         )

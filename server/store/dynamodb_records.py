@@ -15,6 +15,7 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from protocol.chat import COMMENTS_CAP_BYTES, comment_weight
+from server.runtime.backoff import Backoff
 from server.store import records as r
 from server.store.base import StoreUnavailable
 from server.store.keys import Item, number, parse_int
@@ -29,6 +30,9 @@ APPEND_ROUNDS = 8
 """Conditional attempts of one append; each lost race means another writer made progress."""
 
 MARK_CONCURRENCY = 8
+
+UNPROCESSED_KEYS_BACKOFF = Backoff(first=0.05, cap=0.05, jitter=0.0, attempts=8)
+"""BatchGetItem rounds for keys DynamoDB left unprocessed (it does so under load)."""
 
 
 def _key(pk: str, sk: str) -> Item:
@@ -248,7 +252,8 @@ class GameRecordsMixin:
         found: set[tuple[str, str]] = set()
         for start in range(0, len(keys), 100):
             pending: list[Item] = [_key(pk, sk) for pk, sk in keys[start : start + 100]]
-            for _ in range(8):
+            retrying = UNPROCESSED_KEYS_BACKOFF.start()
+            while True:
                 response = await self._call(
                     "batch_get_item",
                     RequestItems={
@@ -265,9 +270,8 @@ class GameRecordsMixin:
                 pending = response.get("UnprocessedKeys", {}).get(self.table, {}).get("Keys", [])
                 if not pending:
                     break
-                await asyncio.sleep(0.05)
-            else:
-                raise StoreUnavailable(f"BatchGetItem on {self.table!r} left keys unprocessed")
+                if not await retrying.wait():
+                    raise StoreUnavailable(f"BatchGetItem on {self.table!r} left keys unprocessed")
         return found
 
     async def mark_players_last_chat(

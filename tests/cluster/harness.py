@@ -28,8 +28,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
 from loadtest.harness.redis_cluster import RedisCluster
-from server.bus.redis_cluster_bus import make_cluster_client
 from server.presence.redis import lease_ms_for
+from server.redis.client import make_cluster_client
 from server.store.base import ConnectionRecord
 from server.store.dynamodb import DynamoStore
 from tests.client import DEV_SECRET, Client

@@ -19,11 +19,12 @@ import pytest
 from redis.crc import key_slot
 
 from loadtest.harness.redis_cluster import RedisCluster, redis_cli, redis_cluster_for_tests
-from server.bus.redis_bus import channel_for
-from server.bus.redis_cluster_bus import RedisClusterBus, make_cluster_client
+from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.topics import PRESENCE
 from server.coordination.dedup import Claim, RedisClusterDedup
 from server.coordination.lease import LeaseState, RedisLease
+from server.redis.client import make_cluster_client
+from server.redis.keys import channel_for
 from tests.client import Client
 from tests.cluster.conftest import nodes_on
 from tests.cluster.harness import SLACK, Cluster, eventually, wait_visible

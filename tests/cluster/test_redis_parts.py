@@ -16,11 +16,12 @@ import pytest
 from loadtest.harness.redis_cluster import RedisCluster
 from protocol.envelope import PresenceHint, decode_envelope
 from protocol.messages import PresenceDelta
-from server.bus.redis_bus import BusUnavailable, RedisBus, channel_for
+from server.bus.redis_bus import BusUnavailable, RedisBus
 from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.presence.core import Changes, delta_of
 from server.presence.redis import RedisPresenceBackend
+from server.redis.keys import channel_for
 from server.store.memory import MemoryStore
 from tests.cluster.harness import eventually
 from tests.services import RedisServer, free_port, start_redis_server

@@ -1,12 +1,13 @@
-"""The services' shared parts (per-game locks, rate limits, claims) on memory and Redis.
+"""The services' shared parts (leases, per-game locks, rate limits, claims) on memory and Redis.
 
 For Redis, two instances on one server stand for two nodes; the memory parts are
-one process's, so the same instance stands for both.
+one process's, so the same instance stands for both (leases: two over one table).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -22,7 +23,9 @@ from server.coordination.game_lock import (
     RedisGameLocks,
     lock_key,
 )
+from server.coordination.lease import Lease, LeaseState, LeaseTable, MemoryLease, RedisLease
 from server.coordination.rate_limit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
+from server.redis.client import make_client, make_cluster_client
 from tests.services import free_port, redis_url_for_tests
 
 
@@ -61,6 +64,85 @@ async def pair_of_locks(
 @pytest.fixture
 def game() -> str:
     return f"chess#{uuid.uuid4().hex[:8]}"
+
+
+def leases(kind: str, request: pytest.FixtureRequest, lease_ms: int) -> tuple[Lease, Lease]:
+    """Two candidates for one fresh lease key, as two nodes would be."""
+    key = "ap:{lease-test:" + uuid.uuid4().hex[:8] + "}:leader"
+    if kind == "memory":
+        table = LeaseTable()
+        return (
+            MemoryLease(key, "first", lease_ms, table=table),
+            MemoryLease(key, "second", lease_ms, table=table),
+        )
+    url, sharded = redis_for(kind, request)
+    if sharded:
+        return (
+            RedisLease(make_cluster_client(url), key, "first", lease_ms, through_failover=True),
+            RedisLease(make_cluster_client(url), key, "second", lease_ms, through_failover=True),
+        )
+    return (
+        RedisLease(make_client(url), key, "first", lease_ms),
+        RedisLease(make_client(url), key, "second", lease_ms),
+    )
+
+
+@kinds()
+async def test_a_lease_has_one_holder_at_a_time(kind: str, request: pytest.FixtureRequest) -> None:
+    first, second = leases(kind, request, lease_ms=30_000)
+    assert await first.renew() is LeaseState.ACQUIRED
+    assert await second.renew() is LeaseState.LOST
+    assert await first.renew() is LeaseState.RENEWED
+    assert first.valid_until > time.monotonic() and second.valid_until == 0.0
+    # Compare-and-delete: a candidate that does not hold it cannot free it.
+    await second.release()
+    assert await second.renew() is LeaseState.LOST
+    assert await first.renew() is LeaseState.RENEWED
+    # The holder gives it up: the other takes over at once, and the first learns it.
+    await first.release()
+    assert first.valid_until == 0.0
+    assert await second.renew() is LeaseState.ACQUIRED
+    assert await first.renew() is LeaseState.LOST
+    for lease in (first, second):
+        await lease.close()
+
+
+@kinds()
+async def test_a_lapsed_lease_goes_to_the_next_asker_and_counts_as_new(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    first, second = leases(kind, request, lease_ms=200)
+    assert await first.renew() is LeaseState.ACQUIRED
+    await asyncio.sleep(0.4)  # twice the term: lapsed whatever the scheduler did
+    assert time.monotonic() >= first.valid_until
+    assert await second.renew() is LeaseState.ACQUIRED
+    assert await first.renew() is LeaseState.LOST
+    await asyncio.sleep(0.4)
+    # Taken again by the one that held it before: new all the same, since
+    # another may have held it in between (what must be reloaded, is).
+    assert await second.renew() is LeaseState.ACQUIRED
+    for lease in (first, second):
+        await lease.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "redis-cluster"])
+async def test_a_redis_lease_key_holds_its_holders_token(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """What fencing compares with (the presence commit checks it in the same step)."""
+    first, second = leases(kind, request, lease_ms=30_000)
+    url, sharded = redis_for(kind, request)
+    spy = make_cluster_client(url) if sharded else make_client(url)
+    try:
+        await first.renew()
+        assert await spy.get(first.key) == first.token.encode()
+        assert 0 < await spy.pttl(first.key) <= 30_000
+        await first.release()
+        assert await spy.exists(first.key) == 0
+    finally:
+        await spy.aclose()
+        for lease in (first, second):
+            await lease.close()
 
 
 @kinds()

@@ -17,9 +17,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from loadtest.harness.redis_cluster import RedisCluster
-from server.bus.redis_bus import make_client
-from server.bus.redis_cluster_bus import make_cluster_client
 from server.coordination.dedup import Claim, Dedup, MemoryDedup, RedisClusterDedup, RedisDedup
+from server.redis.client import make_client, make_cluster_client
 from tests.services import redis_url_for_tests
 
 

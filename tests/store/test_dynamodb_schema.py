@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from server.runtime.metrics import REGISTRY
 from server.store import ConnectionRecord, StoreUnavailable, keys, ttl_from_now
 from server.store.dynamodb import DynamoStore, create_table
 from tests.services import DynamoFaultProxy
@@ -332,19 +331,22 @@ async def proxied(proxy: DynamoFaultProxy, table: str) -> AsyncIterator[DynamoSt
         await impl.close()
 
 
-def metric(name: str) -> float:
-    return REGISTRY.value(name)
+def metric(store: DynamoStore, name: str) -> float:
+    return store.metrics.value(name)
 
 
 async def test_throttled_requests_are_retried_and_counted(
     proxied: DynamoStore, proxy: DynamoFaultProxy
 ) -> None:
-    throttles, retries = metric("ap_dynamodb_throttles_total"), metric("ap_dynamodb_retries_total")
+    throttles, retries = (
+        metric(proxied, "ap_dynamodb_throttles_total"),
+        metric(proxied, "ap_dynamodb_retries_total"),
+    )
     proxy.fail_next(2, "ProvisionedThroughputExceededException")
     await proxied.write_connections([sample("t1")], [])
     assert proxy.count("BatchWriteItem") == 3
-    assert metric("ap_dynamodb_throttles_total") == throttles + 2
-    assert metric("ap_dynamodb_retries_total") == retries + 2
+    assert metric(proxied, "ap_dynamodb_throttles_total") == throttles + 2
+    assert metric(proxied, "ap_dynamodb_retries_total") == retries + 2
     assert await proxied.get_connection("t1") == sample("t1")
 
 
@@ -359,13 +361,13 @@ async def test_server_errors_are_retried(proxied: DynamoStore, proxy: DynamoFaul
 async def test_persistent_throttling_gives_up_with_store_unavailable(
     proxied: DynamoStore, proxy: DynamoFaultProxy
 ) -> None:
-    failures = metric("ap_dynamodb_failures_total")
+    failures = metric(proxied, "ap_dynamodb_failures_total")
     proxy.fail_next(10, "ThrottlingException")
     with pytest.raises(StoreUnavailable, match="ThrottlingException") as caught:
         await proxied.get_connection("x")
     assert "4 attempts" in str(caught.value)
     assert proxy.count("GetItem") == 4
-    assert metric("ap_dynamodb_failures_total") == failures + 1
+    assert metric(proxied, "ap_dynamodb_failures_total") == failures + 1
 
 
 async def test_validation_errors_are_not_retried(
@@ -380,13 +382,13 @@ async def test_validation_errors_are_not_retried(
 async def test_unprocessed_items_are_written_again_until_none_are_left(
     proxied: DynamoStore, proxy: DynamoFaultProxy, raw: Any, table: str
 ) -> None:
-    unprocessed = metric("ap_dynamodb_unprocessed_items_total")
+    unprocessed = metric(proxied, "ap_dynamodb_unprocessed_items_total")
     proxy.unprocessed_rounds = 6
     rows = [sample(f"u-{i:02d}") for i in range(60)]
     await proxied.write_connections(rows, [])
     assert proxy.unprocessed_rounds == 0  # the proxy really held items back
     assert proxy.count("BatchWriteItem") > 3
-    assert metric("ap_dynamodb_unprocessed_items_total") > unprocessed
+    assert metric(proxied, "ap_dynamodb_unprocessed_items_total") > unprocessed
     assert raw.scan(TableName=table, Select="COUNT")["Count"] == 60
     assert {r.connection_id for r in await proxied.list_connections()} == {
         r.connection_id for r in rows
