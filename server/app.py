@@ -19,6 +19,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
+from protocol.codec import Frame
 from protocol.errors import (
     MAX_FRAME_BYTES,
     MSGPACK_SUBPROTOCOL,
@@ -26,7 +27,7 @@ from protocol.errors import (
     ErrorCode,
     ProtocolError,
 )
-from protocol.messages import Chat, Subscribe, SyncPresence, WatchGames
+from protocol.messages import Ack, Chat, Subscribe, SyncPresence, WatchGames
 from protocol.parse import parse_client_frame
 from server.auth.jwks import jwks_source
 from server.auth.verify import Authenticator, BotVerifier, CognitoVerifier, DevVerifier
@@ -284,22 +285,45 @@ class Handler:
             action = parse_client_frame(data)
         except ProtocolError as exc:
             bad_frames.inc()
+            session.acking = exc.ack_id
             session.send_error(exc.code, exc.message, self.limit, exc.client_msg_id)
+            session.acking = None
             if exc.code is ErrorCode.UNAUTHORIZED:
                 # subscribe without a usable token: refused like a bad one
                 session.close(CloseCode.POLICY_VIOLATION, "invalid token")
             return
-        if isinstance(action, Subscribe):
-            await self.node.subscribe(session, action)
+        if isinstance(action, Subscribe | WatchGames):
+            # Every error frame of the action carries its ackId; the ack comes last.
+            session.acking = action.ack_id
+            try:
+                applied = await self._apply(session, action)
+            finally:
+                session.acking = None
+            if applied and action.ack_id is not None:
+                session.send(Frame(self._ack(action)), self.limit)
         elif not session.subscribed:
             bad_frames.inc()
             session.send_error(ErrorCode.NOT_SUBSCRIBED, "Not subscribed", self.limit)
-        elif isinstance(action, WatchGames):
-            await self.node.watch(session, action.games, action.since)
         elif isinstance(action, SyncPresence):
             self.node.sync_presence(session)
         elif isinstance(action, Chat):
             await self.node.chat.post(session, action)
+
+    async def _apply(self, session: Session, action: Subscribe | WatchGames) -> bool:
+        if isinstance(action, Subscribe):
+            return await self.node.subscribe(session, action)
+        if not session.subscribed:
+            bad_frames.inc()
+            session.send_error(ErrorCode.NOT_SUBSCRIBED, "Not subscribed", self.limit)
+            return False
+        return await self.node.watch(session, action.games, action.since)
+
+    def _ack(self, action: Subscribe | WatchGames) -> Ack:
+        assert action.ack_id is not None
+        if isinstance(action, WatchGames):
+            return Ack(action.ack_id, "watchGames")
+        beat = self.node.settings.heartbeat_seconds if action.heartbeat else None
+        return Ack(action.ack_id, "subscribe", beat)
 
 
 refused_upgrades = REGISTRY.counter(

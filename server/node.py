@@ -49,6 +49,7 @@ from protocol.messages import (
     Broadcast,
     GameEvent,
     GameKey,
+    Heartbeat,
     Position,
     Positioned,
     PresenceDelta,
@@ -155,6 +156,9 @@ class Coordination:
 
 STOP_DRAIN_SECONDS = 2.0
 
+HEARTBEAT_FRAME = Frame(Heartbeat())
+"""The same bytes for every socket and every tick: encoded once per process."""
+
 REPLAY_FRAME_CACHE = 16384
 """Replayed frames (and ``recovered: true`` answers) kept, least recently used
 out, for other clients recovering the same events: a storm over 1,000 games
@@ -189,6 +193,7 @@ class Node:
         self.by_game: dict[GameKey, set[Session]] = {}
         self.legacy: set[Session] = set()
         self.presence_watchers: set[Session] = set()
+        self.heartbeats: set[Session] = set()  # sessions that asked for heartbeat frames
         self.games_by_user: dict[str, int] = {}  # watched keys over a user's sessions
         # Stream speakers among a stream's recipients on this node: the rest share
         # one frame per event on the fast path.
@@ -273,6 +278,7 @@ class Node:
         self._tasks = [
             asyncio.create_task(self._delta_loop(), name="presence-deltas"),
             asyncio.create_task(self._ttl_loop(), name="ttl-refresh"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeats"),
         ]
         for service in self.services:
             await service.start()
@@ -377,6 +383,7 @@ class Node:
 
     def closed(self, session: Session) -> None:
         self.sessions.discard(session)
+        self.heartbeats.discard(session)
         if self.draining and not self.sessions:
             self._sessions_gone.set()
         if not session.subscribed:
@@ -404,25 +411,26 @@ class Node:
         if not self._moving:
             self._moves_done.set()
 
-    async def subscribe(self, session: Session, action: Subscribe) -> None:
+    async def subscribe(self, session: Session, action: Subscribe) -> bool:
+        """Apply a subscribe; False when it was refused (the error frame is sent)."""
         try:
             identity = await self.authenticator.verify(action.token)
         except AuthUnavailable as exc:
             # Not the client's fault: a clear reason, and a code that says "retry".
             session.send_error(ErrorCode.UNAVAILABLE, str(exc), self._outbox_limit)
             session.close(CloseCode.TRY_AGAIN_LATER, "token cannot be checked now")
-            return
+            return False
         except AuthError as exc:
             session.send_error(ErrorCode.UNAUTHORIZED, str(exc), self._outbox_limit)
             session.close(CloseCode.POLICY_VIOLATION, "invalid token")
-            return
+            return False
         bot = identity.kind == "bot"
         if bot and not await self.bots.admit(
             session, identity.user_id, lambda: self.by_user.get(identity.user_id, ())
         ):
-            return
+            return False
         if session not in self.sessions:
-            return  # closed while the token was checked
+            return False  # closed while the token was checked
         kept: _KeptState = ({}, {})
         if session.subscribed:
             if session.user_id != identity.user_id:
@@ -431,13 +439,13 @@ class Node:
                     "this connection is subscribed as another user",
                     self._outbox_limit,
                 )
-                return
+                return False
             kept = _kept_state(session, None)
             self._unindex(session)
             if not session.is_bot:
                 self.local_presence.remove(identity.user_id, session.invisible)
         elif not self._admit_user(session, identity.user_id):
-            return
+            return False
         games = action.games if action.games is not None else frozenset()
         if not self._games_allowed(session, identity.user_id, games):
             games = frozenset()
@@ -461,6 +469,10 @@ class Node:
             self._queue_reports()
         self.registry.put(self._record(session))
         self.last_seen.seen(identity.user_id)
+        if action.heartbeat:
+            self.heartbeats.add(session)
+        else:
+            self.heartbeats.discard(session)
         if session.wants_presence:
             # The snapshot and this session's place among delta recipients are
             # taken in the same loop turn, so it misses no delta after the snapshot.
@@ -470,6 +482,7 @@ class Node:
         if bot:
             # After recovery: a recovered:false is followed by a fresh list.
             await self.bots.send_pending_turns(self, session)
+        return session in self.sessions and session.close_task is None
 
     def _admit_user(self, session: Session, user_id: str) -> bool:
         """At most --max-connections-per-user sockets per user: each pins memory."""
@@ -502,10 +515,11 @@ class Node:
 
     async def watch(
         self, session: Session, games: frozenset[GameKey], since: Since | None = None
-    ) -> None:
+    ) -> bool:
+        """Replace the watch set; False when it was refused (the old set stays)."""
         assert session.user_id is not None
         if not self._games_allowed(session, session.user_id, games, len(session.watching)):
-            return
+            return False
         unchanged = (
             games == session.watching
             and session.watch_version == 1
@@ -527,6 +541,7 @@ class Node:
             self.registry.watch(session.connection_id, games, 1, session.row_ttl)
         if since is not None:
             await self.recover(session, since)
+        return True
 
     def _record(self, session: Session) -> ConnectionRecord:
         assert session.user_id is not None
@@ -685,6 +700,13 @@ class Node:
         since, self._reports_since = self._reports_since, None
         await self.presence_backend.report(batch, time.time() if since is None else since)
         return {}
+
+    async def _heartbeat_loop(self) -> None:
+        """One timer for the node: every tick, one frame to every session that asked."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_seconds)
+            if self.heartbeats:
+                send_frame(list(self.heartbeats), HEARTBEAT_FRAME, self._outbox_limit)
 
     async def _ttl_loop(self) -> None:
         """Push forward the ttl of rows that live longer than it."""

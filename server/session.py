@@ -46,6 +46,7 @@ class Session:
     """The server's view of one client connection."""
 
     __slots__ = (
+        "acking",
         "binary",
         "close_task",
         "connection_id",
@@ -91,6 +92,8 @@ class Session:
         self.positions: dict[str, tuple[str, int]] | None = None
         # Streams being recovered -> live events buffered until the replay is sent.
         self.recovering: dict[str, list[tuple[str, int, Broadcast]]] = {}
+        # The ``ackId`` of the action being handled: its error frames carry it.
+        self.acking: str | None = None
 
     @property
     def subscribed(self) -> bool:
@@ -120,7 +123,8 @@ class Session:
         outbox_limit: int,
         client_msg_id: str | None = None,
     ) -> None:
-        self.send(Frame(ErrorMessage(code, message, client_msg_id)), outbox_limit)
+        error = ErrorMessage(code, message, client_msg_id, self.acking)
+        self.send(Frame(error), outbox_limit)
 
     def close(self, code: CloseCode, reason: str) -> None:
         """Start the closing handshake without waiting for it."""
