@@ -440,3 +440,48 @@ test("coalesce: a replayed burst reaches the page as one call", async (t) => {
   assert.equal(calls[0][1].batch.length, 50);
   assert.equal(h.named("recovered")[0][0].replayed, 50);
 });
+
+test("a getToken that throws at once is a temporary failure, not a crash", async (t) => {
+  randomAt(t, 0);
+  let calls = 0;
+  const h = setup(t, {
+    getToken: (request) => {
+      calls++;
+      if (calls === 1) throw new Error("not async");
+      return Promise.resolve(h.tokens.push(request) && "x.e30.y");
+    },
+  });
+  await h.tick(0);
+  assert.equal(h.sockets.length, 0);
+  await h.tick(500);
+  assert.equal(h.sockets.length, 1);
+});
+
+test("setGames while away settles at the next subscribe's ack, which carries the set", async (t) => {
+  randomAt(t, 0);
+  const h = setup(t, { games: [{ meta: "chess", id: "g1" }] });
+  const socket = await h.connect();
+  socket.serverClose(1006);
+  let settled = false;
+  const done = h.client.setGames([{ meta: "go", id: "g2" }]).then(() => (settled = true));
+  await h.tick(0);
+  assert.equal(settled, false);
+  await h.tick(500);
+  await flush();
+  const next = h.socket();
+  next.open();
+  assert.deepEqual(next.sent[0].games, [{ meta: "go", id: "g2" }]);
+  assert.equal(settled, false, "not before the server says so");
+  next.ack();
+  await done;
+  assert.equal(next.actions("watchGames").length, 0);
+});
+
+test("close() after a stop reports nothing more", async (t) => {
+  const h = setup(t);
+  await flush();
+  h.socket().open();
+  h.socket().serverClose(4509);
+  h.client.close();
+  assert.equal(h.named("disconnected").length, 1);
+});
