@@ -142,6 +142,7 @@ export class RealtimeClient {
   private waiters: Array<[() => void, (error: Error) => void]> = [];
   private syncing = false;
   private invisible: boolean;
+  private sentInvisible = false;
   private readonly unlisten: Array<() => void> = [];
 
   constructor(options: ClientOptions) {
@@ -206,16 +207,9 @@ export class RealtimeClient {
   }
 
   /** Change the invisible flag on the open socket (a re-subscribe), not by reconnecting. */
-  async setInvisible(invisible: boolean): Promise<void> {
-    if (invisible === this.invisible) return;
+  setInvisible(invisible: boolean): Promise<void> {
     this.invisible = invisible;
-    const ws = this.ws;
-    if (this._state !== "connected") return; // the next subscribe carries it
-    const token = await this.fetchToken(false).catch(() => null);
-    if (token && ws === this.ws && this._state === "connected") {
-      this.token = token;
-      this.subscribe(false);
-    }
+    return this.syncFlags();
   }
 
   /** Reconnect at once: a running client drops its socket, a stopped one starts again. */
@@ -294,8 +288,21 @@ export class RealtimeClient {
     }));
   }
 
+  /** Re-subscribe when the flag differs from the one the server holds (after any pending subscribe). */
+  private async syncFlags(): Promise<void> {
+    const ready = () => this._state === "connected" && !this.subscribeAck && this.sentInvisible !== this.invisible;
+    if (!ready()) return; // a pending subscribe's ack, or the next subscribe, comes back here
+    const ws = this.ws;
+    const token = await this.fetchToken(false).catch(() => null);
+    if (token && ws === this.ws && ready()) {
+      this.token = token;
+      this.subscribe(false);
+    }
+  }
+
   private subscribe(recover: boolean): void {
     const id = (this.subscribeAck = `s${++this.acks}`);
+    this.sentInvisible = this.invisible;
     this.held = this.desired;
     this.covers = this.waiters.length;
     const sub = this.token && subject(this.token);
@@ -374,6 +381,7 @@ export class RealtimeClient {
         this.setState("connected");
         this.emit("connected");
       }
+      void this.syncFlags();
     } else if (this.watchAck && payload.ackId === this.watchAck.id) {
       this.streams.drop(this.watchAck.added);
       this.settle(null, this.watchAck.covers);

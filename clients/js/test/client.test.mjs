@@ -485,3 +485,21 @@ test("close() after a stop reports nothing more", async (t) => {
   h.client.close();
   assert.equal(h.named("disconnected").length, 1);
 });
+
+test("setInvisible while the subscribe is in flight re-subscribes after its ack", async (t) => {
+  const h = setup(t);
+  await flush();
+  const socket = h.socket();
+  socket.open();
+  assert.equal(socket.actions("subscribe")[0].invisible, false);
+  await h.client.setInvisible(true);
+  assert.equal(socket.actions("subscribe").length, 1, "not before the first is acknowledged");
+  socket.ack({ heartbeatSeconds: 15 });
+  await flush();
+  const again = socket.actions("subscribe");
+  assert.deepEqual(again.map((m) => m.invisible), [false, true]);
+  socket.ack({ heartbeatSeconds: 15 });
+  await flush();
+  await h.client.setInvisible(true);
+  assert.equal(socket.actions("subscribe").length, 2, "the same flag again sends nothing");
+});
