@@ -67,3 +67,16 @@ def test_the_bundle_is_at_most_8_kb_minified_and_gzipped() -> None:
     assert b"import" not in code
     package = json.loads((SDK_DIR / "package.json").read_text())
     assert "dependencies" not in package and "peerDependencies" not in package
+
+
+def test_the_sdk_sources_are_formatted() -> None:
+    """Prettier's format, as ruff's for the Python (`npm run format` writes it)."""
+    prettier = str(SDK_DIR / "node_modules" / "prettier" / "bin" / "prettier.cjs")
+    result = subprocess.run(
+        [node(), prettier, "--check", "src", "test", "build.mjs"],
+        cwd=SDK_DIR,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

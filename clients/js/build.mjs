@@ -24,9 +24,13 @@ await build({
   entryPoints: readdirSync("src").map((name) => `src/${name}`),
   outdir: "build/lib",
 });
-execFileSync(process.execPath, ["node_modules/typescript/bin/tsc", "-p", "tsconfig.json", "--emitDeclarationOnly"], {
-  stdio: "inherit",
-});
+execFileSync(
+  process.execPath,
+  ["node_modules/typescript/bin/tsc", "-p", "tsconfig.json", "--emitDeclarationOnly"],
+  {
+    stdio: "inherit",
+  },
+);
 
 const bundle = readFileSync("dist/realtime.js");
 const sizes = { minified: bundle.length, gzip: gzipSync(bundle, { level: 9 }).length };

@@ -1,6 +1,13 @@
 // The browser client: one socket, reconnects by the close-code policy, recovery by position.
 
-import { backoffDelay, closePlan, OVERLOAD_MIN_MS, RESTART_SPREAD_MS, type Plan, type Wait } from "./policy.js";
+import {
+  backoffDelay,
+  closePlan,
+  OVERLOAD_MIN_MS,
+  RESTART_SPREAD_MS,
+  type Plan,
+  type Wait,
+} from "./policy.js";
 import { applyPresence, type Presence, type PresenceMessage } from "./presence.js";
 import {
   Positions,
@@ -136,7 +143,8 @@ export class RealtimeClient {
   private covers = 0;
   /** The streams the pending subscribe recovers: all answered by its ack. */
   private begun: string[] = [];
-  private watchAck: { id: string; previous: GameRef[]; added: string[]; covers: number } | null = null;
+  private watchAck: { id: string; previous: GameRef[]; added: string[]; covers: number } | null =
+    null;
   private desired: GameRef[];
   private held: GameRef[] = [];
   private waiters: Array<[() => void, (error: Error) => void]> = [];
@@ -185,7 +193,10 @@ export class RealtimeClient {
   }
 
   on<K extends keyof Events>(verb: K, fn: Events[K]): () => void;
-  on<V extends string>(verb: V extends keyof Events ? never : V, fn: (payload: any, info: EventInfo) => void): () => void;
+  on<V extends string>(
+    verb: V extends keyof Events ? never : V,
+    fn: (payload: any, info: EventInfo) => void,
+  ): () => void;
   on(verb: string, fn: Handler): () => void {
     let set = this.listeners.get(verb);
     if (!set) this.listeners.set(verb, (set = new Set()));
@@ -273,7 +284,12 @@ export class RealtimeClient {
     };
     ws.onmessage = (event) => this.receive(event.data);
     ws.onclose = (event) => {
-      const plan = closePlan({ code: event.code, opened: this.opened, error: this.lastError, refreshed: this.refreshed });
+      const plan = closePlan({
+        code: event.code,
+        opened: this.opened,
+        error: this.lastError,
+        refreshed: this.refreshed,
+      });
       this.drop();
       this.after(event.code, event.reason, plan);
     };
@@ -290,7 +306,8 @@ export class RealtimeClient {
 
   /** Re-subscribe when the flag differs from the one the server holds (after any pending subscribe). */
   private async syncFlags(): Promise<void> {
-    const ready = () => this._state === "connected" && !this.subscribeAck && this.sentInvisible !== this.invisible;
+    const ready = () =>
+      this._state === "connected" && !this.subscribeAck && this.sentInvisible !== this.invisible;
     if (!ready()) return; // a pending subscribe's ack, or the next subscribe, comes back here
     const ws = this.ws;
     const token = await this.fetchToken(false).catch(() => null);
@@ -306,8 +323,9 @@ export class RealtimeClient {
     this.held = this.desired;
     this.covers = this.waiters.length;
     const sub = this.token && subject(this.token);
-    const streams = this.held.map(gameStream);
-    if (sub) streams.push(`user:${sub}`);
+    const streams = recover ? this.held.map(gameStream) : [];
+    if (sub && recover) streams.push(`user:${sub}`);
+    this.begun = streams;
     this.send({
       action: "subscribe",
       token: this.token,
@@ -315,7 +333,7 @@ export class RealtimeClient {
       ...(this.o.wantsPresence === false && { wantsPresence: false }),
       watchVersion: 1,
       games: this.held,
-      ...(recover && { since: this.streams.begin((this.begun = streams)) }),
+      ...(recover && { since: this.streams.begin(streams) }),
       heartbeat: true,
       ackId: id,
     });
@@ -330,12 +348,18 @@ export class RealtimeClient {
     const added = this.desired.map(gameStream).filter((s) => !before.has(s));
     this.watchAck = { id, previous: this.held, added, covers: this.waiters.length };
     this.held = this.desired;
-    this.send({ action: "watchGames", games: this.held, since: this.streams.begin(added), ackId: id });
+    this.send({
+      action: "watchGames",
+      games: this.held,
+      since: this.streams.begin(added),
+      ackId: id,
+    });
   }
 
   /** Settle the `count` oldest `setGames` callers (all by default). */
   private settle(error: Error | null, count = this.waiters.length): void {
-    for (const [resolve, reject] of this.waiters.splice(0, count)) error ? reject(error) : resolve();
+    for (const [resolve, reject] of this.waiters.splice(0, count))
+      error ? reject(error) : resolve();
   }
 
   // --- frames ---------------------------------------------------------------
@@ -361,7 +385,8 @@ export class RealtimeClient {
         this.syncing = true;
         this.send({ action: "syncPresence" });
       }
-      if (presence && presence !== this.presence) this.emit(verb, (this.presence = presence), payload);
+      if (presence && presence !== this.presence)
+        this.emit(verb, (this.presence = presence), payload);
       return;
     }
     if (typeof frame.stream === "string") return this.streams.frame(frame as StreamFrame);
@@ -442,7 +467,8 @@ export class RealtimeClient {
   }
 
   private after(code: number, reason: string, plan: Plan): void {
-    if (plan.log) this.log(plan.bug ? "error" : "warn", (plan.bug ? "client bug: " : "") + plan.log);
+    if (plan.log)
+      this.log(plan.bug ? "error" : "warn", (plan.bug ? "client bug: " : "") + plan.log);
     if (plan.stop) return this.stop(code, reason);
     this.emit("disconnected", { code, reason, willReconnect: true });
     this.retry(plan.wait ?? "backoff");
@@ -456,7 +482,9 @@ export class RealtimeClient {
     }
     if (wait === "refresh") this.refreshed = this.refreshNext = true;
     const delay =
-      wait === "restart" ? Math.random() * RESTART_SPREAD_MS : backoffDelay(this.attempt++, wait === "overload" ? OVERLOAD_MIN_MS : undefined);
+      wait === "restart"
+        ? Math.random() * RESTART_SPREAD_MS
+        : backoffDelay(this.attempt++, wait === "overload" ? OVERLOAD_MIN_MS : undefined);
     this.timer = setTimeout(() => void this.connect(), delay);
   }
 
@@ -483,7 +511,11 @@ export class RealtimeClient {
   private arm(ms: number, reason: string): void {
     clearTimeout(this.watchdog);
     // A socket that never opened may be a refused upgrade: the longer floor, as for a 503.
-    if (ms > 0) this.watchdog = setTimeout(() => this.giveUp(reason, this.opened ? "backoff" : "overload"), ms);
+    if (ms > 0)
+      this.watchdog = setTimeout(
+        () => this.giveUp(reason, this.opened ? "backoff" : "overload"),
+        ms,
+      );
   }
 
   private send(message: object): void {
@@ -519,7 +551,8 @@ function hidden(): boolean {
 function clean(games: GameRef[]): GameRef[] {
   const seen = new Map<string, GameRef>();
   for (const g of games) {
-    if (valid(g?.meta) && valid(g.id) && !g.meta.includes("#")) seen.set(gameStream(g), { meta: g.meta, id: g.id });
+    if (valid(g?.meta) && valid(g.id) && !g.meta.includes("#"))
+      seen.set(gameStream(g), { meta: g.meta, id: g.id });
   }
   return [...seen.values()];
 }

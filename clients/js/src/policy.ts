@@ -57,7 +57,12 @@ export function closePlan({ code, opened, error, refreshed }: Closed): Plan {
   if (code === 4509) return { stop: true, log: "too many connections for this user: stopped" };
   if (code === 1008) {
     if (error === "rate_limited") {
-      return { stop: false, wait: "overload", bug: true, log: "closed for flooding the server (1008 rate_limited)" };
+      return {
+        stop: false,
+        wait: "overload",
+        bug: true,
+        log: "closed for flooding the server (1008 rate_limited)",
+      };
     }
     if (refreshed) return { stop: true, log: "unauthorized after a token refresh: stopped" };
     return { stop: false, wait: "refresh" };
@@ -65,10 +70,19 @@ export function closePlan({ code, opened, error, refreshed }: Closed): Plan {
   if (code === 1012) return { stop: false, wait: "restart" };
   if (code === 1013 || !opened) return { stop: false, wait: "overload" };
   if (code === 4008) {
-    return { stop: false, wait: "backoff", log: "closed as a slow consumer (4008): reconnecting and recovering" };
+    return {
+      stop: false,
+      wait: "backoff",
+      log: "closed as a slow consumer (4008): reconnecting and recovering",
+    };
   }
   if (code === 4408) {
-    return { stop: false, wait: "backoff", bug: true, log: "no subscribe within the server's timeout (4408)" };
+    return {
+      stop: false,
+      wait: "backoff",
+      bug: true,
+      log: "no subscribe within the server's timeout (4408)",
+    };
   }
   if (code === 1001) return { stop: false, wait: "visible" };
   return { stop: false, wait: "backoff" };

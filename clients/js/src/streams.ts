@@ -79,7 +79,8 @@ export class Positions {
     try {
       const stored = JSON.parse(storage?.getItem(key) ?? "{}") as Record<string, [string, number]>;
       for (const [stream, [epoch, offset]] of Object.entries(stored)) {
-        if (typeof epoch === "string" && Number.isInteger(offset)) this.map.set(stream, { epoch, offset });
+        if (typeof epoch === "string" && Number.isInteger(offset))
+          this.map.set(stream, { epoch, offset });
       }
     } catch {
       // Unreadable or corrupt: start afresh (every stream is then learned anew).
@@ -174,7 +175,14 @@ export class Streams {
     }
     this.flush(stream, recovery);
     try {
-      if (!skip) this.sink.deliver(verb, frame.payload, { stream, epoch, offset, replayed: !!recovery, batch: [frame.payload] });
+      if (!skip)
+        this.sink.deliver(verb, frame.payload, {
+          stream,
+          epoch,
+          offset,
+          replayed: !!recovery,
+          batch: [frame.payload],
+        });
     } finally {
       this.positions.set(stream, epoch, offset);
     }

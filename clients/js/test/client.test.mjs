@@ -3,14 +3,26 @@ import assert from "node:assert/strict";
 import { setup, flush, MemoryStorage, FakeSocket } from "./fake.mjs";
 
 const game = (offset, extra = {}) => ({
-  verb: "game", payload: { meta: "chess", id: "g1" }, stream: "game:chess#g1", epoch: "e1", offset, ...extra,
+  verb: "game",
+  payload: { meta: "chess", id: "g1" },
+  stream: "game:chess#g1",
+  epoch: "e1",
+  offset,
+  ...extra,
 });
 const randomAt = (t, value) => t.mock.method(Math, "random", () => value);
 
 test("subscribe: games, since for each game and the user stream, heartbeat, ackId; connected at the ack", async (t) => {
   const storage = new MemoryStorage();
   storage.setItem("ap-realtime", JSON.stringify({ "game:chess#g1": ["e1", 4] }));
-  const h = setup(t, { games: [{ meta: "chess", id: "g1" }, { meta: "go", id: "g2" }, { meta: "bad#", id: "x" }], storage });
+  const h = setup(t, {
+    games: [
+      { meta: "chess", id: "g1" },
+      { meta: "go", id: "g2" },
+      { meta: "bad#", id: "x" },
+    ],
+    storage,
+  });
   assert.equal(h.client.state, "connecting");
   await flush();
   assert.deepEqual(h.tokens, [{ refresh: false }]);
@@ -18,7 +30,14 @@ test("subscribe: games, since for each game and the user stream, heartbeat, ackI
   socket.open();
   const [subscribe] = socket.sent;
   assert.equal(subscribe.action, "subscribe");
-  assert.deepEqual(subscribe.games, [{ meta: "chess", id: "g1" }, { meta: "go", id: "g2" }], "a ref the server refuses is not sent");
+  assert.deepEqual(
+    subscribe.games,
+    [
+      { meta: "chess", id: "g1" },
+      { meta: "go", id: "g2" },
+    ],
+    "a ref the server refuses is not sent",
+  );
   assert.deepEqual(subscribe.since, {
     "game:chess#g1": { epoch: "e1", offset: 4 },
     "game:go#g2": { epoch: "", offset: 0 },
@@ -32,7 +51,10 @@ test("subscribe: games, since for each game and the user stream, heartbeat, ackI
   assert.equal(h.client.state, "connecting", "another action's ack is not this one");
   socket.ack({ heartbeatSeconds: 15 });
   assert.equal(h.client.state, "connected");
-  assert.deepEqual(h.named("state").map((e) => e[0]), ["connected"]);
+  assert.deepEqual(
+    h.named("state").map((e) => e[0]),
+    ["connected"],
+  );
   assert.equal(h.named("connected").length, 1);
 });
 
@@ -67,7 +89,12 @@ test("a getToken failure is retried with backoff; null stops the client as unaut
   let answer = Promise.reject(new Error("network"));
   answer.catch(() => {});
   const calls = [];
-  const h = setup(t, { getToken: async (request) => { calls.push(request); return answer; } });
+  const h = setup(t, {
+    getToken: async (request) => {
+      calls.push(request);
+      return answer;
+    },
+  });
   await h.tick(0);
   assert.equal(h.sockets.length, 0);
   assert.equal(h.client.state, "connecting");
@@ -76,7 +103,9 @@ test("a getToken failure is retried with backoff; null stops the client as unaut
   await h.tick(500);
   assert.equal(calls.length, 2);
   assert.equal(h.client.state, "disconnected");
-  assert.deepEqual(h.named("disconnected"), [[{ code: 1008, reason: "unauthorized", willReconnect: false }]]);
+  assert.deepEqual(h.named("disconnected"), [
+    [{ code: 1008, reason: "unauthorized", willReconnect: false }],
+  ]);
   await h.tick(60_000);
   assert.equal(calls.length, 2);
 });
@@ -84,7 +113,12 @@ test("a getToken failure is retried with backoff; null stops the client as unaut
 test("one getToken at a time: reconnectNow while it runs does not start another", async (t) => {
   let release;
   const calls = [];
-  const h = setup(t, { getToken: (request) => { calls.push(request); return new Promise((r) => (release = r)); } });
+  const h = setup(t, {
+    getToken: (request) => {
+      calls.push(request);
+      return new Promise((r) => (release = r));
+    },
+  });
   await flush();
   h.client.reconnectNow();
   h.client.reconnectNow();
@@ -100,7 +134,9 @@ test("1012: back after a random 0–3 s, without a backoff step", async (t) => {
   const h = setup(t);
   await h.connect();
   h.socket().serverClose(1012, "server restarting");
-  assert.deepEqual(h.named("disconnected"), [[{ code: 1012, reason: "server restarting", willReconnect: true }]]);
+  assert.deepEqual(h.named("disconnected"), [
+    [{ code: 1012, reason: "server restarting", willReconnect: true }],
+  ]);
   assert.equal(h.client.state, "connecting");
   await h.tick(1_499);
   assert.equal(h.sockets.length, 1);
@@ -128,7 +164,10 @@ test("4008: reconnect and recover from the last position, with a warning", async
   randomAt(t, 0);
   const h = setup(t, { games: [{ meta: "chess", id: "g1" }] });
   const socket = await h.connect();
-  socket.receive({ verb: "recovered", payload: { stream: "game:chess#g1", recovered: false, epoch: "e1", offset: 2 } });
+  socket.receive({
+    verb: "recovered",
+    payload: { stream: "game:chess#g1", recovered: false, epoch: "e1", offset: 2 },
+  });
   socket.receive(game(3));
   socket.serverClose(4008, "slow consumer");
   assert.match(h.logs.at(-1)[1], /slow consumer/);
@@ -153,10 +192,15 @@ test("4509: stop, disconnected, never again", async (t) => {
   const h = setup(t);
   await flush();
   h.socket().open();
-  h.socket().receive({ verb: "error", payload: { code: "too_many_connections", message: "20 open", ackId: h.socket().sent[0].ackId } });
+  h.socket().receive({
+    verb: "error",
+    payload: { code: "too_many_connections", message: "20 open", ackId: h.socket().sent[0].ackId },
+  });
   h.socket().serverClose(4509, "too many connections");
   assert.equal(h.client.state, "disconnected");
-  assert.deepEqual(h.named("disconnected"), [[{ code: 4509, reason: "too many connections", willReconnect: false }]]);
+  assert.deepEqual(h.named("disconnected"), [
+    [{ code: 4509, reason: "too many connections", willReconnect: false }],
+  ]);
   assert.equal(h.named("error")[0][0].code, "too_many_connections");
   await h.tick(120_000);
   assert.equal(h.sockets.length, 1);
@@ -172,7 +216,10 @@ test("1008: one token refresh, then stop as unauthorized", async (t) => {
   const refuse = () => {
     const socket = h.socket();
     socket.open();
-    socket.receive({ verb: "error", payload: { code: "unauthorized", message: "expired", ackId: socket.sent[0].ackId } });
+    socket.receive({
+      verb: "error",
+      payload: { code: "unauthorized", message: "expired", ackId: socket.sent[0].ackId },
+    });
     socket.serverClose(1008, "invalid token");
   };
   await flush();
@@ -182,7 +229,10 @@ test("1008: one token refresh, then stop as unauthorized", async (t) => {
   refuse();
   assert.deepEqual(h.tokens, [{ refresh: false }, { refresh: true }]);
   assert.equal(h.client.state, "disconnected");
-  assert.deepEqual(h.named("disconnected").map(([d]) => d.willReconnect), [true, false]);
+  assert.deepEqual(
+    h.named("disconnected").map(([d]) => d.willReconnect),
+    [true, false],
+  );
   await h.tick(120_000);
   assert.equal(h.tokens.length, 2);
 });
@@ -196,7 +246,10 @@ test("1008: an acknowledged subscribe in between earns another refresh", async (
   await h.connect();
   h.socket().serverClose(1008);
   await h.tick(500);
-  assert.deepEqual(h.tokens.map((r) => r.refresh), [false, true, true]);
+  assert.deepEqual(
+    h.tokens.map((r) => r.refresh),
+    [false, true, true],
+  );
   assert.equal(h.client.state, "connecting");
 });
 
@@ -207,14 +260,20 @@ test("1008 after a flood is not a token problem: backoff, no refresh", async (t)
   h.socket().receive({ verb: "error", payload: { code: "rate_limited", message: "slow down" } });
   h.socket().serverClose(1008);
   await h.tick(5_000);
-  assert.deepEqual(h.tokens.map((r) => r.refresh), [false, false]);
+  assert.deepEqual(
+    h.tokens.map((r) => r.refresh),
+    [false, false],
+  );
 });
 
 test("1001: wait until the page is visible, then reconnect at once", async (t) => {
   const document = Object.assign(new EventTarget(), { visibilityState: "hidden" });
   globalThis.window = new EventTarget();
   globalThis.document = document;
-  t.after(() => { delete globalThis.window; delete globalThis.document; });
+  t.after(() => {
+    delete globalThis.window;
+    delete globalThis.document;
+  });
   const h = setup(t);
   await h.connect();
   h.socket().serverClose(1001);
@@ -227,21 +286,36 @@ test("1001: wait until the page is visible, then reconnect at once", async (t) =
   assert.equal(h.sockets.length, 2);
   const socket = await h.connect();
   document.dispatchEvent(new Event("visibilitychange"));
-  assert.equal(socket.actions("syncPresence").length, 1, "visible again while connected: a fresh snapshot");
+  assert.equal(
+    socket.actions("syncPresence").length,
+    1,
+    "visible again while connected: a fresh snapshot",
+  );
 });
 
 test("offline drops the socket; online reconnects at once", async (t) => {
   globalThis.window = new EventTarget();
   const navigator = { onLine: true };
-  Object.defineProperty(globalThis, "navigator", { value: navigator, configurable: true, writable: true });
-  t.after(() => { delete globalThis.window; delete globalThis.navigator; });
+  Object.defineProperty(globalThis, "navigator", {
+    value: navigator,
+    configurable: true,
+    writable: true,
+  });
+  t.after(() => {
+    delete globalThis.window;
+    delete globalThis.navigator;
+  });
   randomAt(t, 0);
   const h = setup(t);
   const socket = await h.connect();
   navigator.onLine = false;
   window.dispatchEvent(new Event("offline"));
   assert.ok(socket.closedByClient);
-  assert.deepEqual(h.named("disconnected")[0][0], { code: 1006, reason: "offline", willReconnect: true });
+  assert.deepEqual(h.named("disconnected")[0][0], {
+    code: 1006,
+    reason: "offline",
+    willReconnect: true,
+  });
   await h.tick(60_000);
   assert.equal(h.sockets.length, 1, "no attempts while offline");
   navigator.onLine = true;
@@ -260,7 +334,11 @@ test("a silent socket is replaced after 3 heartbeats; any frame resets the watch
   assert.equal(socket.closedByClient, false);
   await h.tick(1);
   assert.ok(socket.closedByClient);
-  assert.deepEqual(h.named("disconnected")[0][0], { code: 1006, reason: "read timeout", willReconnect: true });
+  assert.deepEqual(h.named("disconnected")[0][0], {
+    code: 1006,
+    reason: "read timeout",
+    willReconnect: true,
+  });
   await h.tick(500);
   assert.equal(h.sockets.length, 2);
 });
@@ -275,7 +353,10 @@ test("timeouts: the connect, and the subscribe's acknowledgement", async (t) => 
   assert.equal(h.sockets.length, 2);
   h.socket().open();
   await h.tick(14_000);
-  h.socket().receive({ verb: "connections", payload: { type: "snapshot", seq: 1, totalCount: 1, visibleUserIds: [] } });
+  h.socket().receive({
+    verb: "connections",
+    payload: { type: "snapshot", seq: 1, totalCount: 1, visibleUserIds: [] },
+  });
   await h.tick(14_999);
   assert.equal(h.sockets[1].closedByClient, false, "frames keep an unacknowledged subscribe alive");
   await h.tick(1);
@@ -287,20 +368,38 @@ test("setGames: sent once, acknowledged, never blindly retried, re-sent in every
   randomAt(t, 0);
   const h = setup(t, { games: [{ meta: "chess", id: "g1" }] });
   const socket = await h.connect();
-  const done = h.client.setGames([{ meta: "chess", id: "g1" }, { meta: "go", id: "g2" }]);
+  const done = h.client.setGames([
+    { meta: "chess", id: "g1" },
+    { meta: "go", id: "g2" },
+  ]);
   const [watch] = socket.actions("watchGames");
-  assert.deepEqual(watch.games, [{ meta: "chess", id: "g1" }, { meta: "go", id: "g2" }]);
-  assert.deepEqual(watch.since, { "game:go#g2": { epoch: "", offset: 0 } }, "since for the added game only");
+  assert.deepEqual(watch.games, [
+    { meta: "chess", id: "g1" },
+    { meta: "go", id: "g2" },
+  ]);
+  assert.deepEqual(
+    watch.since,
+    { "game:go#g2": { epoch: "", offset: 0 } },
+    "since for the added game only",
+  );
   const later = h.client.setGames([{ meta: "go", id: "g2" }]);
   h.client.setGames([{ meta: "go", id: "g3" }]);
   await h.tick(40_000); // under the 45 s read timeout
-  assert.equal(socket.actions("watchGames").length, 1, "one in flight at a time, no retry by timer");
+  assert.equal(
+    socket.actions("watchGames").length,
+    1,
+    "one in flight at a time, no retry by timer",
+  );
   let settled = false;
   later.then(() => (settled = true));
   socket.ack();
   await done;
   assert.equal(settled, false, "the later set is not acknowledged yet");
-  assert.deepEqual(socket.actions("watchGames")[1].games, [{ meta: "go", id: "g3" }], "only the newest set");
+  assert.deepEqual(
+    socket.actions("watchGames")[1].games,
+    [{ meta: "go", id: "g3" }],
+    "only the newest set",
+  );
   socket.ack();
   await later;
   await h.client.setGames([{ meta: "go", id: "g3" }]);
@@ -318,7 +417,10 @@ test("setGames refused: the promise rejects and the previous set stays", async (
   const socket = await h.connect();
   const refused = h.client.setGames([{ meta: "go", id: "big" }]);
   const { ackId } = socket.actions("watchGames")[0];
-  socket.receive({ verb: "error", payload: { code: "too_many_games", message: "at most 1000", ackId } });
+  socket.receive({
+    verb: "error",
+    payload: { code: "too_many_games", message: "at most 1000", ackId },
+  });
   await assert.rejects(refused, /too_many_games/);
   socket.serverClose(1006);
   await h.tick(500);
@@ -331,18 +433,36 @@ test("resync: both the onResync option and .on('resync') are called, once, at th
   const storage = new MemoryStorage();
   storage.setItem("ap-realtime", JSON.stringify({ "game:chess#g1": ["e1", 4] }));
   const fromOption = [];
-  const h = setup(t, { storage, games: [{ meta: "chess", id: "g1" }], onResync: (stream, info) => fromOption.push([stream, info]) });
+  const h = setup(t, {
+    storage,
+    games: [{ meta: "chess", id: "g1" }],
+    onResync: (stream, info) => fromOption.push([stream, info]),
+  });
   await flush();
   const socket = h.socket();
   socket.open();
-  socket.receive({ verb: "recovered", payload: { stream: "game:chess#g1", recovered: false, epoch: "e2", offset: 1 } });
+  socket.receive({
+    verb: "recovered",
+    payload: { stream: "game:chess#g1", recovered: false, epoch: "e2", offset: 1 },
+  });
   socket.ack();
   assert.equal(fromOption.length, 1);
   assert.deepEqual(h.named("resync"), fromOption);
   assert.deepEqual(fromOption[0][1], {
-    stream: "game:chess#g1", wasRecovering: true, recovered: false, replayed: 0, reason: "recovery", epoch: "e2", offset: 1,
+    stream: "game:chess#g1",
+    wasRecovering: true,
+    recovered: false,
+    replayed: 0,
+    reason: "recovery",
+    epoch: "e2",
+    offset: 1,
   });
-  assert.deepEqual(h.named("recovered")[0][0], { stream: "game:chess#g1", wasRecovering: true, recovered: false, replayed: 0 });
+  assert.deepEqual(h.named("recovered")[0][0], {
+    stream: "game:chess#g1",
+    wasRecovering: true,
+    recovered: false,
+    replayed: 0,
+  });
   assert.deepEqual(JSON.parse(storage.getItem("ap-realtime"))["game:chess#g1"], ["e2", 1]);
 });
 
@@ -352,12 +472,21 @@ test("events reach their handler exactly once across a reconnect; one verb per e
   await flush();
   let socket = h.socket();
   socket.open();
-  socket.receive({ verb: "recovered", payload: { stream: "game:chess#g1", recovered: false, epoch: "e1", offset: 0 } });
+  socket.receive({
+    verb: "recovered",
+    payload: { stream: "game:chess#g1", recovered: false, epoch: "e1", offset: 0 },
+  });
   socket.receive({ verb: "error", payload: { code: "stream_not_allowed", message: "user:alice" } });
   socket.ack(); // the user stream was not answered: it is live from the ack on
   socket.receive(game(1));
   socket.receive(game(2));
-  socket.receive({ verb: "yourTurn", payload: { meta: "chess", id: "g1" }, stream: "user:alice", epoch: "u", offset: 1 });
+  socket.receive({
+    verb: "yourTurn",
+    payload: { meta: "chess", id: "g1" },
+    stream: "user:alice",
+    epoch: "u",
+    offset: 1,
+  });
   socket.receive({ verb: "pendingTurns", payload: { games: [] } });
   socket.receive({ verb: "test", payload: "hello" });
   socket.serverClose(1006);
@@ -368,28 +497,68 @@ test("events reach their handler exactly once across a reconnect; one verb per e
   assert.deepEqual(socket.sent[0].since["user:alice"], { epoch: "u", offset: 1 });
   socket.receive(game(2)); // a replay overlapping what was seen
   socket.receive(game(3));
-  socket.receive({ verb: "recovered", payload: { stream: "game:chess#g1", recovered: true, epoch: "e1", offset: 3 } });
+  socket.receive({
+    verb: "recovered",
+    payload: { stream: "game:chess#g1", recovered: true, epoch: "e1", offset: 3 },
+  });
   socket.ack();
-  assert.deepEqual(h.named("game").map(([, info]) => [info.offset, info.replayed]), [[1, false], [2, false], [3, true]]);
+  assert.deepEqual(
+    h.named("game").map(([, info]) => [info.offset, info.replayed]),
+    [
+      [1, false],
+      [2, false],
+      [3, true],
+    ],
+  );
   assert.equal(h.named("yourTurn").length, 1);
   assert.deepEqual(h.named("pendingTurns")[0][0], { games: [] });
   assert.equal(h.named("test")[0][0], "hello");
-  assert.deepEqual(h.named("recovered").at(-1)[0], { stream: "game:chess#g1", wasRecovering: true, recovered: true, replayed: 1 });
+  assert.deepEqual(h.named("recovered").at(-1)[0], {
+    stream: "game:chess#g1",
+    wasRecovering: true,
+    recovered: true,
+    replayed: 1,
+  });
 });
 
 test("presence: kept across frames; a gap asks for one snapshot", async (t) => {
   const h = setup(t);
   const socket = await h.connect();
-  socket.receive({ verb: "connections", payload: { type: "snapshot", seq: 3, totalCount: 2, visibleUserIds: ["alice", "bob"] } });
-  socket.receive({ verb: "connections", payload: { type: "delta", seq: 4, joins: ["carol"], leaves: [], totalCount: 3 } });
-  assert.deepEqual(h.client.presence, { seq: 4, totalCount: 3, visibleUserIds: ["alice", "bob", "carol"] });
-  socket.receive({ verb: "connections", payload: { type: "delta", seq: 6, joins: [], leaves: ["bob"], totalCount: 2 } });
-  socket.receive({ verb: "connections", payload: { type: "delta", seq: 7, joins: [], leaves: ["carol"], totalCount: 1 } });
+  socket.receive({
+    verb: "connections",
+    payload: { type: "snapshot", seq: 3, totalCount: 2, visibleUserIds: ["alice", "bob"] },
+  });
+  socket.receive({
+    verb: "connections",
+    payload: { type: "delta", seq: 4, joins: ["carol"], leaves: [], totalCount: 3 },
+  });
+  assert.deepEqual(h.client.presence, {
+    seq: 4,
+    totalCount: 3,
+    visibleUserIds: ["alice", "bob", "carol"],
+  });
+  socket.receive({
+    verb: "connections",
+    payload: { type: "delta", seq: 6, joins: [], leaves: ["bob"], totalCount: 2 },
+  });
+  socket.receive({
+    verb: "connections",
+    payload: { type: "delta", seq: 7, joins: [], leaves: ["carol"], totalCount: 1 },
+  });
   assert.equal(socket.actions("syncPresence").length, 1);
-  socket.receive({ verb: "connections", payload: { type: "snapshot", seq: 7, totalCount: 1, visibleUserIds: ["alice"] } });
-  socket.receive({ verb: "connections", payload: { type: "delta", seq: 9, joins: [], leaves: [] } });
+  socket.receive({
+    verb: "connections",
+    payload: { type: "snapshot", seq: 7, totalCount: 1, visibleUserIds: ["alice"] },
+  });
+  socket.receive({
+    verb: "connections",
+    payload: { type: "delta", seq: 9, joins: [], leaves: [] },
+  });
   assert.equal(socket.actions("syncPresence").length, 2, "a new gap after the snapshot asks again");
-  assert.deepEqual(h.named("connections").map(([p]) => p.seq), [3, 4, 7]);
+  assert.deepEqual(
+    h.named("connections").map(([p]) => p.seq),
+    [3, 4, 7],
+  );
 });
 
 test("setInvisible re-subscribes on the same socket, with a token fetched again", async (t) => {
@@ -408,7 +577,9 @@ test("setInvisible re-subscribes on the same socket, with a token fetched again"
 test("close(): disconnected, no reconnect; a throwing handler hurts no other", async (t) => {
   const h = setup(t, { games: [{ meta: "chess", id: "g1" }] });
   const seen = [];
-  h.client.on("game", () => { throw new Error("app bug"); });
+  h.client.on("game", () => {
+    throw new Error("app bug");
+  });
   const off = h.client.on("game", (payload, info) => seen.push(info.offset));
   const socket = await h.connect();
   socket.receive(game(1));
@@ -419,7 +590,11 @@ test("close(): disconnected, no reconnect; a throwing handler hurts no other", a
   h.client.close();
   assert.ok(socket.closedByClient);
   assert.equal(h.client.state, "disconnected");
-  assert.deepEqual(h.named("disconnected").at(-1)[0], { code: 1000, reason: "closed by the application", willReconnect: false });
+  assert.deepEqual(h.named("disconnected").at(-1)[0], {
+    code: 1000,
+    reason: "closed by the application",
+    willReconnect: false,
+  });
   h.client.reconnectNow();
   await h.tick(60_000);
   assert.equal(FakeSocket.instances.length, 1);
@@ -433,7 +608,10 @@ test("coalesce: a replayed burst reaches the page as one call", async (t) => {
   const socket = h.socket();
   socket.open();
   for (let offset = 1; offset <= 50; offset++) socket.receive(game(offset));
-  socket.receive({ verb: "recovered", payload: { stream: "game:chess#g1", recovered: true, epoch: "e1", offset: 50 } });
+  socket.receive({
+    verb: "recovered",
+    payload: { stream: "game:chess#g1", recovered: true, epoch: "e1", offset: 50 },
+  });
   socket.ack();
   const calls = h.named("game");
   assert.equal(calls.length, 1);
@@ -497,7 +675,10 @@ test("setInvisible while the subscribe is in flight re-subscribes after its ack"
   socket.ack({ heartbeatSeconds: 15 });
   await flush();
   const again = socket.actions("subscribe");
-  assert.deepEqual(again.map((m) => m.invisible), [false, true]);
+  assert.deepEqual(
+    again.map((m) => m.invisible),
+    [false, true],
+  );
   socket.ack({ heartbeatSeconds: 15 });
   await flush();
   await h.client.setInvisible(true);

@@ -61,8 +61,22 @@ export const tokenFor = (sub) =>
 
 export const flush = () => new Promise((resolve) => setImmediate(resolve));
 
-const RECORDED = ["state", "connected", "disconnected", "resync", "recovered", "connections", "game", "chat",
-  "yourTurn", "notification", "challenge", "pendingTurns", "error", "test"];
+const RECORDED = [
+  "state",
+  "connected",
+  "disconnected",
+  "resync",
+  "recovered",
+  "connections",
+  "game",
+  "chat",
+  "yourTurn",
+  "notification",
+  "challenge",
+  "pendingTurns",
+  "error",
+  "test",
+];
 
 /** A client on fake sockets and mocked timers; every event it emits is recorded in order. */
 export function setup(t, options = {}) {
@@ -80,7 +94,10 @@ export function setup(t, options = {}) {
     },
     WebSocket: FakeSocket,
     storage,
-    logger: { warn: (...args) => logs.push(["warn", args.join(" ")]), error: (...args) => logs.push(["error", args.join(" ")]) },
+    logger: {
+      warn: (...args) => logs.push(["warn", args.join(" ")]),
+      error: (...args) => logs.push(["error", args.join(" ")]),
+    },
     ...options,
   });
   for (const name of RECORDED) client.on(name, (...args) => events.push([name, ...args]));

@@ -1,6 +1,12 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { backoffDelay, closePlan, BACKOFF_MIN_MS, BACKOFF_MAX_MS, OVERLOAD_MIN_MS } from "../build/lib/policy.js";
+import {
+  backoffDelay,
+  closePlan,
+  BACKOFF_MIN_MS,
+  BACKOFF_MAX_MS,
+  OVERLOAD_MIN_MS,
+} from "../build/lib/policy.js";
 
 const at = (value) => () => value;
 
@@ -24,7 +30,10 @@ test("backoff: the overload floor is 5 s and the ceiling still 30 s", () => {
 test("backoff: spread over the whole range with Math.random", () => {
   const delays = Array.from({ length: 2000 }, () => backoffDelay(4));
   assert.ok(delays.every((d) => d >= 500 && d <= 16000));
-  assert.ok(Math.min(...delays) < 1500 && Math.max(...delays) > 15000, "full jitter, not equal jitter");
+  assert.ok(
+    Math.min(...delays) < 1500 && Math.max(...delays) > 15000,
+    "full jitter, not equal jitter",
+  );
 });
 
 const plan = (code, extra = {}) => closePlan({ code, opened: true, refreshed: false, ...extra });
@@ -68,5 +77,6 @@ test("1001: wait for the page to be visible", () => {
 });
 
 test("anything else that opened (1006 after open, 1011, 1000): backoff", () => {
-  for (const code of [1006, 1011, 1000, 1005, 4000]) assert.deepEqual(plan(code), { stop: false, wait: "backoff" });
+  for (const code of [1006, 1011, 1000, 1005, 4000])
+    assert.deepEqual(plan(code), { stop: false, wait: "backoff" });
 });

@@ -59,7 +59,12 @@ test("positions survive in the storage, and corrupt storage starts afresh", () =
   assert.deepEqual(new Positions(storage, "k").get("game:a#1"), { epoch: "e", offset: 7 });
   storage.setItem("k", "{not json");
   assert.equal(new Positions(storage, "k").get("game:a#1"), undefined);
-  const failing = { getItem: () => null, setItem: () => { throw new Error("QuotaExceededError"); } };
+  const failing = {
+    getItem: () => null,
+    setItem: () => {
+      throw new Error("QuotaExceededError");
+    },
+  };
   const positions = new Positions(failing, "k");
   positions.set("s", "e", 1);
   assert.deepEqual(positions.get("s"), { epoch: "e", offset: 1 }, "kept in memory");
@@ -90,7 +95,11 @@ test("the position advances only after the handler returns, even if it throws", 
   const { streams, calls, positions } = tracker({ throwing: true });
   positions.set("game:chess#g1", "e1", 2);
   assert.throws(() => streams.frame(ev(3)));
-  assert.equal(calls[0].storedOffset, 2, "inside the handler the stored position is still the old one");
+  assert.equal(
+    calls[0].storedOffset,
+    2,
+    "inside the handler the stored position is still the old one",
+  );
   assert.equal(positions.get("game:chess#g1").offset, 3);
 });
 
@@ -99,7 +108,10 @@ test("a gap in offsets triggers one resync and still delivers the event", () => 
   streams.frame(ev(1));
   streams.frame(ev(4));
   streams.frame(ev(5));
-  assert.deepEqual(calls.map((c) => c.kind), ["deliver", "resync", "deliver", "deliver"]);
+  assert.deepEqual(
+    calls.map((c) => c.kind),
+    ["deliver", "resync", "deliver", "deliver"],
+  );
   assert.equal(calls[1].info.reason, "gap");
   assert.deepEqual(delivered(calls), [1, 4, 5]);
 });
@@ -108,7 +120,10 @@ test("a new epoch on a live event triggers a resync", () => {
   const { streams, calls, positions } = tracker();
   positions.set("game:chess#g1", "e1", 9);
   streams.frame(ev(1, "game", "e2"));
-  assert.deepEqual(calls.map((c) => c.kind), ["resync", "deliver"]);
+  assert.deepEqual(
+    calls.map((c) => c.kind),
+    ["resync", "deliver"],
+  );
   assert.equal(calls[0].info.reason, "epoch");
   assert.deepEqual(positions.get("game:chess#g1"), { epoch: "e2", offset: 1 });
 });
@@ -139,9 +154,20 @@ test("recovered: true reports the replay count; no resync", () => {
   streams.frame(ev(4));
   streams.answer({ stream: "game:chess#g1", recovered: true, epoch: "e1", offset: 4 });
   streams.frame(ev(5));
-  assert.deepEqual(calls.map((c) => c.kind), ["deliver", "deliver", "recovered", "deliver"]);
-  assert.deepEqual(calls.filter((c) => c.kind === "deliver").map((c) => c.info.replayed), [true, true, false]);
-  assert.deepEqual(calls[2].info, { stream: "game:chess#g1", wasRecovering: true, recovered: true, replayed: 2 });
+  assert.deepEqual(
+    calls.map((c) => c.kind),
+    ["deliver", "deliver", "recovered", "deliver"],
+  );
+  assert.deepEqual(
+    calls.filter((c) => c.kind === "deliver").map((c) => c.info.replayed),
+    [true, true, false],
+  );
+  assert.deepEqual(calls[2].info, {
+    stream: "game:chess#g1",
+    wasRecovering: true,
+    recovered: true,
+    replayed: 2,
+  });
 });
 
 test("recovered: false calls resync once, at the answer, before the position moves on", () => {
@@ -149,21 +175,37 @@ test("recovered: false calls resync once, at the answer, before the position mov
   positions.set("game:chess#g1", "e1", 2);
   streams.begin(["game:chess#g1"]);
   streams.answer({ stream: "game:chess#g1", recovered: false, epoch: "e2", offset: 7 });
-  assert.deepEqual(calls.map((c) => c.kind), ["resync", "recovered"]);
+  assert.deepEqual(
+    calls.map((c) => c.kind),
+    ["resync", "recovered"],
+  );
   assert.deepEqual(calls[0].info, {
-    stream: "game:chess#g1", wasRecovering: true, recovered: false, replayed: 0, reason: "recovery", epoch: "e2", offset: 7,
+    stream: "game:chess#g1",
+    wasRecovering: true,
+    recovered: false,
+    replayed: 0,
+    reason: "recovery",
+    epoch: "e2",
+    offset: 7,
   });
   assert.equal(calls[0].storedOffset, 2);
   assert.deepEqual(positions.get("game:chess#g1"), { epoch: "e2", offset: 7 });
   streams.frame(ev(8, "game", "e2"));
-  assert.deepEqual(calls.map((c) => c.kind), ["resync", "recovered", "deliver"], "the next live event is no gap");
+  assert.deepEqual(
+    calls.map((c) => c.kind),
+    ["resync", "recovered", "deliver"],
+    "the next live event is no gap",
+  );
 });
 
 test("a first look at a stream learns its position without a resync", () => {
   const { streams, calls, positions } = tracker();
   streams.begin(["user:alice"]);
   streams.answer({ stream: "user:alice", recovered: false, epoch: "u1", offset: 12 });
-  assert.deepEqual(calls.map((c) => c.kind), ["recovered"]);
+  assert.deepEqual(
+    calls.map((c) => c.kind),
+    ["recovered"],
+  );
   assert.equal(calls[0].info.wasRecovering, false);
   assert.deepEqual(positions.get("user:alice"), { epoch: "u1", offset: 12 });
 });
@@ -172,7 +214,10 @@ test("a live recovered:false (a node lost the stream) is a resync", () => {
   const { streams, calls } = tracker();
   streams.frame(ev(1));
   streams.answer({ stream: "game:chess#g1", recovered: false, epoch: "e9", offset: 3 });
-  assert.deepEqual(calls.map((c) => c.kind), ["deliver", "resync", "recovered"]);
+  assert.deepEqual(
+    calls.map((c) => c.kind),
+    ["deliver", "resync", "recovered"],
+  );
 });
 
 test("coalesce: a replayed burst for one game is one call carrying all of it", () => {
@@ -182,10 +227,16 @@ test("coalesce: a replayed burst for one game is one call carrying all of it", (
   for (let offset = 2; offset <= 51; offset++) streams.frame(ev(offset));
   assert.equal(calls.length, 0, "held until the answer");
   streams.answer({ stream: "game:chess#g1", recovered: true, epoch: "e1", offset: 51 });
-  assert.deepEqual(calls.map((c) => c.kind), ["deliver", "recovered"]);
+  assert.deepEqual(
+    calls.map((c) => c.kind),
+    ["deliver", "recovered"],
+  );
   const [call] = calls;
   assert.equal(call.info.batch.length, 50);
-  assert.deepEqual(call.info.batch.map((p) => p.n), Array.from({ length: 50 }, (_, i) => i + 2));
+  assert.deepEqual(
+    call.info.batch.map((p) => p.n),
+    Array.from({ length: 50 }, (_, i) => i + 2),
+  );
   assert.equal(call.payload.n, 51, "the payload is the newest");
   assert.equal(call.storedOffset, 1, "the position moves after the call");
   assert.equal(positions.get("game:chess#g1").offset, 51);
@@ -205,11 +256,14 @@ test("coalesce keeps the order: another verb splits the burst, skips ride along"
   streams.frame(ev(6, "skip"));
   streams.answer({ stream: "game:chess#g1", recovered: true, epoch: "e1", offset: 6 });
   const deliveries = calls.filter((c) => c.kind === "deliver");
-  assert.deepEqual(deliveries.map((c) => [c.verb, c.info.batch.map((p) => p.n)]), [
-    ["game", [1, 3]],
-    ["chat", [4]],
-    ["game", [5]],
-  ]);
+  assert.deepEqual(
+    deliveries.map((c) => [c.verb, c.info.batch.map((p) => p.n)]),
+    [
+      ["game", [1, 3]],
+      ["chat", [4]],
+      ["game", [5]],
+    ],
+  );
   assert.equal(calls.filter((c) => c.kind === "resync").length, 0);
 });
 
@@ -219,7 +273,10 @@ test("coalesce: held frames are delivered, not lost, when the socket goes", () =
   streams.frame(ev(1));
   streams.frame(ev(2));
   streams.reset();
-  assert.deepEqual(calls.map((c) => c.info.batch.length), [2]);
+  assert.deepEqual(
+    calls.map((c) => c.info.batch.length),
+    [2],
+  );
   assert.equal(positions.get("game:chess#g1").offset, 2);
   streams.frame(ev(3));
   assert.equal(calls[1].info.replayed, false, "after reset the stream is live again");
@@ -233,7 +290,10 @@ test("coalesce: duplicates in a replay are still dropped against the held frames
   streams.frame(ev(2));
   streams.frame(ev(1));
   streams.answer({ stream: "game:chess#g1", recovered: true, epoch: "e1", offset: 2 });
-  assert.deepEqual(calls[0].info.batch.map((p) => p.n), [1, 2]);
+  assert.deepEqual(
+    calls[0].info.batch.map((p) => p.n),
+    [1, 2],
+  );
   assert.equal(calls[1].info.replayed, 2);
 });
 
@@ -242,5 +302,8 @@ test("drop: an action the server refused leaves its streams live, nothing held",
   streams.begin(["game:chess#g1"]);
   streams.drop(["game:chess#g1"]);
   streams.frame(ev(1));
-  assert.deepEqual(calls.map((c) => [c.kind, c.info.replayed]), [["deliver", false]]);
+  assert.deepEqual(
+    calls.map((c) => [c.kind, c.info.replayed]),
+    [["deliver", false]],
+  );
 });

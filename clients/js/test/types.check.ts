@@ -1,6 +1,12 @@
 // Compiled by `tsc -p test/tsconfig.json` against the shipped declarations: how an
 // application uses the client, and the misuses the types must refuse.
-import { RealtimeClient, type EventInfo, type Presence, type ResyncInfo, type State } from "../dist/types/index.js";
+import {
+  RealtimeClient,
+  type EventInfo,
+  type Presence,
+  type ResyncInfo,
+  type State,
+} from "../dist/types/index.js";
 
 const client = new RealtimeClient({
   url: () => "wss://ws.example/",
@@ -18,8 +24,15 @@ const off: () => void = client.on("game", (payload, info: EventInfo) => {
   const all: unknown[] = info.batch;
   void [meta, all, info.replayed];
 });
-client.on("disconnected", ({ code, reason, willReconnect }) => void [code + 1, reason.length, !willReconnect]);
-client.on("recovered", ({ stream, wasRecovering, recovered, replayed }) => void [stream, wasRecovering, recovered, replayed + 1]);
+client.on(
+  "disconnected",
+  ({ code, reason, willReconnect }) => void [code + 1, reason.length, !willReconnect],
+);
+client.on(
+  "recovered",
+  ({ stream, wasRecovering, recovered, replayed }) =>
+    void [stream, wasRecovering, recovered, replayed + 1],
+);
 client.on("connections", (now) => void now.visibleUserIds.map((user) => user.length));
 client.on("pendingTurns", ({ games }) => void games.map((g) => g.id));
 client.on("gameEnd", (payload, info) => void [payload, info.stream]);
@@ -33,8 +46,9 @@ void [state, presence, off, settled];
 new RealtimeClient({ getToken: async () => "t" });
 // @ts-expect-error: getToken returns a promise of a token
 new RealtimeClient({ url: "wss://x/", getToken: () => 42 });
+const halfStorage = { getItem: () => null };
 // @ts-expect-error: storage needs getItem and setItem
-new RealtimeClient({ url: "wss://x/", getToken: async () => "t", storage: { getItem: () => null } });
+new RealtimeClient({ url: "wss://x/", getToken: async () => "t", storage: halfStorage });
 // @ts-expect-error: a state is one of three strings
 client.on("state", (s: number) => s);
 // @ts-expect-error: a game ref has meta and id
