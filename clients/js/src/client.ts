@@ -31,6 +31,8 @@ export interface DisconnectInfo {
   code: number;
   reason: string;
   willReconnect: boolean;
+  /** Milliseconds until the next attempt; null when it waits for the page (visible, online). */
+  retryIn: number | null;
 }
 
 export interface ServerError {
@@ -444,7 +446,7 @@ export class RealtimeClient {
   private giveUp(reason: string, wait: Wait | null): void {
     this.drop();
     if (wait) this.after(1006, reason, { stop: false, wait });
-    else this.emit("disconnected", { code: 1006, reason, willReconnect: true });
+    else this.emit("disconnected", { code: 1006, reason, willReconnect: true, retryIn: 0 });
   }
 
   /** Forget the socket and everything tied to it. */
@@ -470,22 +472,27 @@ export class RealtimeClient {
     if (plan.log)
       this.log(plan.bug ? "error" : "warn", (plan.bug ? "client bug: " : "") + plan.log);
     if (plan.stop) return this.stop(code, reason);
-    this.emit("disconnected", { code, reason, willReconnect: true });
-    this.retry(plan.wait ?? "backoff");
+    this.retry(plan.wait ?? "backoff", code, reason);
   }
 
-  private retry(wait: Wait): void {
-    this.setState("connecting");
-    if (wait === "visible" && hidden()) {
-      this.waiting = "visible";
-      return;
-    }
+  /** Wait as `wait` says, then connect; `code` and `reason` are reported first, if given. */
+  private retry(wait: Wait, code?: number, reason = ""): void {
     if (wait === "refresh") this.refreshed = this.refreshNext = true;
     const delay =
-      wait === "restart"
-        ? Math.random() * RESTART_SPREAD_MS
-        : backoffDelay(this.attempt++, wait === "overload" ? OVERLOAD_MIN_MS : undefined);
-    this.timer = setTimeout(() => void this.connect(), delay);
+      wait === "visible" && hidden()
+        ? null
+        : wait === "restart"
+          ? Math.random() * RESTART_SPREAD_MS
+          : backoffDelay(this.attempt++, wait === "overload" ? OVERLOAD_MIN_MS : undefined);
+    const generation = this.generation;
+    if (code !== undefined) {
+      this.emit("disconnected", { code, reason, willReconnect: true, retryIn: delay });
+      // A listener may have called close() or reconnectNow(): then that is what happens.
+      if (this.stopped || generation !== this.generation) return;
+    }
+    this.setState("connecting");
+    if (delay === null) this.waiting = "visible";
+    else this.timer = setTimeout(() => void this.connect(), delay);
   }
 
   /** The page is back (visible, online): skip what is left of the wait. */
@@ -502,7 +509,7 @@ export class RealtimeClient {
     this.drop();
     this.settle(new Error("stopped"));
     this.setState("disconnected");
-    this.emit("disconnected", { code, reason, willReconnect: false });
+    this.emit("disconnected", { code, reason, willReconnect: false, retryIn: null });
   }
 
   // --- plumbing -------------------------------------------------------------

@@ -104,7 +104,7 @@ test("a getToken failure is retried with backoff; null stops the client as unaut
   assert.equal(calls.length, 2);
   assert.equal(h.client.state, "disconnected");
   assert.deepEqual(h.named("disconnected"), [
-    [{ code: 1008, reason: "unauthorized", willReconnect: false }],
+    [{ code: 1008, reason: "unauthorized", willReconnect: false, retryIn: null }],
   ]);
   await h.tick(60_000);
   assert.equal(calls.length, 2);
@@ -135,7 +135,7 @@ test("1012: back after a random 0–3 s, without a backoff step", async (t) => {
   await h.connect();
   h.socket().serverClose(1012, "server restarting");
   assert.deepEqual(h.named("disconnected"), [
-    [{ code: 1012, reason: "server restarting", willReconnect: true }],
+    [{ code: 1012, reason: "server restarting", willReconnect: true, retryIn: 1500 }],
   ]);
   assert.equal(h.client.state, "connecting");
   await h.tick(1_499);
@@ -199,7 +199,7 @@ test("4509: stop, disconnected, never again", async (t) => {
   h.socket().serverClose(4509, "too many connections");
   assert.equal(h.client.state, "disconnected");
   assert.deepEqual(h.named("disconnected"), [
-    [{ code: 4509, reason: "too many connections", willReconnect: false }],
+    [{ code: 4509, reason: "too many connections", willReconnect: false, retryIn: null }],
   ]);
   assert.equal(h.named("error")[0][0].code, "too_many_connections");
   await h.tick(120_000);
@@ -315,6 +315,7 @@ test("offline drops the socket; online reconnects at once", async (t) => {
     code: 1006,
     reason: "offline",
     willReconnect: true,
+    retryIn: 500,
   });
   await h.tick(60_000);
   assert.equal(h.sockets.length, 1, "no attempts while offline");
@@ -338,6 +339,7 @@ test("a silent socket is replaced after 3 heartbeats; any frame resets the watch
     code: 1006,
     reason: "read timeout",
     willReconnect: true,
+    retryIn: 500,
   });
   await h.tick(500);
   assert.equal(h.sockets.length, 2);
@@ -594,6 +596,7 @@ test("close(): disconnected, no reconnect; a throwing handler hurts no other", a
     code: 1000,
     reason: "closed by the application",
     willReconnect: false,
+    retryIn: null,
   });
   h.client.reconnectNow();
   await h.tick(60_000);
@@ -683,4 +686,46 @@ test("setInvisible while the subscribe is in flight re-subscribes after its ack"
   await flush();
   await h.client.setInvisible(true);
   assert.equal(socket.actions("subscribe").length, 2, "the same flag again sends nothing");
+});
+
+test("a disconnected listener may close the client", async (t) => {
+  randomAt(t, 0);
+  const h = setup(t);
+  await h.connect();
+  h.client.on("disconnected", () => h.client.close());
+  h.socket().serverClose(1006);
+  assert.equal(h.client.state, "disconnected");
+  await h.tick(60_000);
+  assert.equal(h.sockets.length, 1, "closed in the listener: no reconnect");
+});
+
+test("a disconnected listener may reconnect at once, skipping the wait", async (t) => {
+  randomAt(t, 0);
+  const h = setup(t);
+  await h.connect();
+  h.client.on("disconnected", ({ willReconnect }) => willReconnect && h.client.reconnectNow());
+  h.socket().serverClose(1013);
+  await flush();
+  assert.equal(h.sockets.length, 2, "no 5 s wait");
+  await h.connect();
+  await h.tick(40_000);
+  assert.equal(h.sockets.length, 2, "and no second attempt from the abandoned wait");
+});
+
+test("1001 while hidden reports no retry time: it waits for the page", async (t) => {
+  globalThis.window = new EventTarget();
+  globalThis.document = Object.assign(new EventTarget(), { visibilityState: "hidden" });
+  t.after(() => {
+    delete globalThis.window;
+    delete globalThis.document;
+  });
+  const h = setup(t);
+  await h.connect();
+  h.socket().serverClose(1001, "idle");
+  assert.deepEqual(h.named("disconnected")[0][0], {
+    code: 1001,
+    reason: "idle",
+    willReconnect: true,
+    retryIn: null,
+  });
 });
