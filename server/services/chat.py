@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from typing import Protocol
 
 from protocol.codec import Frame
 from protocol.errors import ErrorCode
@@ -44,7 +45,9 @@ comments_duplicate = REGISTRY.counter(
     "ap_chat_duplicates_total", "Chat actions whose clientMsgId was already stored"
 )
 
-Publish = Callable[[Broadcast], Awaitable[object]]
+
+class Publish(Protocol):
+    def __call__(self, message: Broadcast, *, event_id: str | None = None) -> Awaitable[object]: ...
 
 
 class ChatRefused(Exception):
@@ -150,9 +153,13 @@ class ChatService:
             "payload": {**ref, **comment.to_plain(), "clientMsgId": action.client_msg_id},
         }
         game = {"verb": "game", "payload": ref, "exclude": [comment.user_id]}
+        # Named by the comment: each is appended once, however often it is sent.
+        name = f"chat:{action.key}:{comment_key(comment.user_id, action.client_msg_id)}"
         for body in (chat, game):
             try:
-                await self._publish(parse_broadcast(json.dumps(body)))
+                await self._publish(
+                    parse_broadcast(json.dumps(body)), event_id=f"{name}:{body['verb']}"
+                )
             except Exception as exc:  # the comment is stored: clients see it on refetch
                 log.warning("could not publish %s for %s: %s", body["verb"], action.key, exc)
 
