@@ -307,8 +307,7 @@ class World:
             "redis-restart",
         ]
 
-    async def fault(self, kind: str) -> None:
-        rng = self.rng
+    async def fault(self, kind: str, rng: random.Random) -> None:
         record: dict[str, Any] = {"t": self.t(), "kind": kind}
         self.faults.append(record)
         if kind == "node-kill":
@@ -387,11 +386,11 @@ class World:
             self.redis, _ = await start_redis(port=self.redis_port)
             self.redis_restarts += 1
         elif kind.startswith("primary-"):
-            await self._cluster_fault(kind, record)
+            await self._cluster_fault(kind, record, rng)
         record["end"] = self.t()
 
-    async def _cluster_fault(self, kind: str, record: dict[str, Any]) -> None:
-        cluster, rng = self.cluster, self.rng
+    async def _cluster_fault(self, kind: str, record: dict[str, Any], rng: random.Random) -> None:
+        cluster = self.cluster
         assert cluster is not None
         await asyncio.to_thread(cluster.wait_ok, 60.0)
         port = rng.choice(await asyncio.to_thread(cluster.primaries))
@@ -463,6 +462,8 @@ class Soak:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.tally = Tally()
         self.last_fault_end = 0.0
+        self.dump: Path | None = None
+        """Where to write the logs of the clients that appear in examples."""
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -512,6 +513,7 @@ class Soak:
                 delay = min(2.0, delay * 2 + 0.1)
                 continue
             seat.client = client
+            seat.log.append(("c", "", node.name, 0, None, time.time_ns()))
             return
 
     def _on_lost(self, seat: Seat) -> LostCallback:
@@ -609,21 +611,23 @@ class Soak:
         """Node and Redis faults one after another; DynamoDB's meanwhile, on their
         own track, so that they meet the writes the other faults cause."""
         world = self.world
-        rng = world.rng
 
-        async def track(kinds: list[str], pause: tuple[float, float]) -> None:
+        async def track(kinds: list[str], pause: tuple[float, float], seed: float) -> None:
+            # Each track its own generator: the schedule follows from the seed alone.
+            rng = random.Random(seed)
             while time.monotonic() < until:
                 await asyncio.sleep(rng.uniform(*pause))
                 if time.monotonic() >= until:
                     return
                 world.check_crashes()
-                await world.fault(rng.choice(kinds))
+                await world.fault(rng.choice(kinds), rng)
                 self.last_fault_end = max(self.last_fault_end, time.monotonic())
                 world.check_crashes()
 
+        seeds = (self.rng.random(), self.rng.random())
         await asyncio.gather(
-            track(world.kinds(), (2.0, 6.0)),
-            track(["dynamo-errors", "dynamo-throttle"], (3.0, 10.0)),
+            track(world.kinds(), (2.0, 6.0), seeds[0]),
+            track(["dynamo-errors", "dynamo-throttle"], (3.0, 10.0), seeds[1]),
         )
 
     # --- presence -----------------------------------------------------------
@@ -692,6 +696,12 @@ class Soak:
                 task.cancel()
             await world.stop()
         counts = check(self.seats, self.truth)
+        if self.dump is not None:
+            flagged = {
+                line.split(" ", 1)[0] for lines in counts["examples"].values() for line in lines
+            }
+            logs = {s.spec.user_id: s.log for s in self.seats if s.spec.user_id in flagged}
+            self.dump.write_text(json.dumps({"faults": world.faults, "logs": logs}, default=str))
         return {
             "seed": options.seed,
             "topology": options.topology,
@@ -772,8 +782,12 @@ def check(seats: Sequence[Seat], truth: Truth) -> dict[str, Any]:
     for seat in seats:
         user = seat.spec.user_id
         per_stream: dict[str, list[tuple[Any, ...]]] = {}
+        node = ""
         for entry in seat.log:
-            per_stream.setdefault(entry[1], []).append(entry)
+            if entry[0] == "c":  # a new connection, and to which node
+                node = entry[2]
+                continue
+            per_stream.setdefault(entry[1], []).append((*entry, node))
         for stream, entries in per_stream.items():
             _check_stream(findings, user, stream, entries, at, by_stream.get(stream, {}))
     return {
@@ -802,9 +816,10 @@ def _check_stream(
     covered: dict[str, list[tuple[int, int]]] = {}  # epoch -> [(from, to)] told to refetch
     spans: dict[str, list[int]] = {}  # epoch -> [lowest, highest] position passed
     current: tuple[str, int] | None = None
+    last_node = ""
     for entry in entries:
         if entry[0] == "r":
-            _, _, epoch, top, recovered, _ = entry
+            _, _, epoch, top, recovered, _, node = entry
             if recovered:
                 if current is None or current[0] != epoch or current[1] < top:
                     current = (epoch, top)
@@ -828,7 +843,7 @@ def _check_stream(
             span[1] = max(span[1], top)
             current = (epoch, top)
             continue
-        _, _, epoch, offset, eid, _ = entry
+        _, _, epoch, offset, eid, at_ns, node = entry
         findings.received += 1
         if eid is None:  # a skip: the event excluded for this user
             eid = at.get((stream, epoch, offset))
@@ -859,12 +874,14 @@ def _check_stream(
                 findings.unannounced_gaps += 1
                 findings.example(
                     "unannounced_gaps",
-                    f"{where}: {current[1] + 1}..{offset - 1} of {epoch} jumped over, no notice",
+                    f"{where}: {current[1] + 1}..{offset - 1} of {epoch} jumped over, no notice "
+                    f"(at {at_ns / 1e9:.3f} from {node}, the one before from {last_node})",
                 )
         span = spans.setdefault(epoch, [offset, offset])
         span[0], span[1] = min(span[0], offset), max(span[1], offset)
         if current is None or current[0] != epoch or offset > current[1]:
             current = key
+        last_node = node
     # Lost: accepted events inside what the client passed, neither held nor covered.
     for epoch, (low, high) in spans.items():
         for offset, eid in truth_epochs.get(epoch, []):
@@ -939,8 +956,10 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-async def run_chaos(options: ChaosOptions) -> dict[str, Any]:
-    return await Soak(options).run()
+async def run_chaos(options: ChaosOptions, dump: Path | None = None) -> dict[str, Any]:
+    soak = Soak(options)
+    soak.dump = dump
+    return await soak.run()
 
 
 def main(argv: Sequence[str]) -> int:
@@ -952,6 +971,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--rate", type=float, default=40.0, help="events published per second")
     parser.add_argument("--games", type=int, default=30)
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
+    parser.add_argument(
+        "--dump", type=Path, metavar="FILE", help="write the frames of the clients in examples"
+    )
     args = parser.parse_args(argv)
     topologies = ("redis", "cluster") if args.topology == "both" else (args.topology,)
     results = []
@@ -966,7 +988,8 @@ def main(argv: Sequence[str]) -> int:
             games=args.games,
         )
         started = os.getloadavg()
-        result = asyncio.run(run_chaos(options))
+        dump = args.dump.with_suffix(f".{topology}.json") if args.dump else None
+        result = asyncio.run(run_chaos(options, dump))
         result["load_average"] = {"start": started, "end": os.getloadavg()}
         results.append(result)
         print("\n".join(report_lines(result)))
