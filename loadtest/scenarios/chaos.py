@@ -223,6 +223,7 @@ class World:
         self.crashed: list[str] = []
         """Nodes found dead that no fault killed."""
         self.redis_restarts = 0
+        self.start_refusals = 0
 
     def t(self) -> float:
         return round(time.monotonic() - self.started, 2)
@@ -260,6 +261,21 @@ class World:
             ports=ports,
             limit=90.0,
         )
+
+    async def _restart_node(self, node: Proc) -> Proc:
+        """As a supervisor would: again until it starts. A node refuses to start
+        while DynamoDB refuses it (by design: a wrong endpoint fails fast)."""
+        for attempt in range(30):
+            try:
+                return await self._start_node(node.name, (node.ws_port, node.http_port))
+            except StartError as exc:
+                self.start_refusals += 1
+                if attempt == 29:
+                    raise
+                first_line = str(exc).splitlines()[-1][:160]
+                self.faults.append({"t": self.t(), "kind": "start-refused", "why": first_line})
+                await asyncio.sleep(1.0)
+        raise AssertionError("unreachable")
 
     async def stop(self) -> None:
         for node in self.nodes:
@@ -321,7 +337,7 @@ class World:
             node.process.wait()
             await asyncio.sleep(rng.uniform(1.0, 4.0))
             index = self.nodes.index(node)
-            self.nodes[index] = await self._start_node(node.name, (node.ws_port, node.http_port))
+            self.nodes[index] = await self._restart_node(node)
             self.dead.discard(node.name)
         elif kind == "node-stop":
             node = rng.choice(self.nodes)
@@ -719,6 +735,7 @@ class Soak:
             "faults": world.faults,
             "fault_counts": dict(Counter(f["kind"] for f in world.faults)),
             "crashed": world.crashed,
+            "start_refusals": world.start_refusals,
             "publishes": {
                 "events": len(
                     self.truth.accepted.keys() | self.truth.unknown | self.truth.unpositioned
@@ -964,6 +981,7 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         )
     )
     lines.append(f"nodes that died on their own: {result['crashed'] or 'none'}")
+    lines.append(f"node starts refused (DynamoDB refusing at start): {result['start_refusals']}")
     for kind, examples in result["examples"].items():
         lines.append(f"examples of {kind}:")
         lines.extend(f"  {example}" for example in examples)
