@@ -145,6 +145,15 @@ class ChaosClient(SimClient):
     def __init__(self, *args: Any, log: list[tuple[Any, ...]], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.log = log
+        self.frames = 0
+        self.heads: list[bytes] = []
+        """The first frames of this connection, for a report on a tab that stalls."""
+
+    def _message(self, data: bytes, now: int) -> None:
+        self.frames += 1
+        if len(self.heads) < 3:
+            self.heads.append(data[:80])
+        super()._message(data, now)
 
     def _stream_message(self, data: bytes, now: int) -> bool:
         """Every positioned frame (game and user events, skips) and every answer."""
@@ -681,6 +690,11 @@ class Soak:
             client = seat.client
             if client is None or not client.is_open:
                 misses.append(f"{seat.spec.user_id}: not connected")
+            elif client.total == 0:
+                misses.append(
+                    f"{seat.spec.user_id}: open on port {client.port} "
+                    f"({seat.reconnects} reconnects), {client.frames} frames: {client.heads}"
+                )
             elif client.visible != everyone or client.total != len(everyone):
                 missing = sorted(everyone - client.visible)[:5]
                 extra = sorted(client.visible - everyone)[:5]
@@ -750,7 +764,7 @@ class Soak:
             "dynamodb_injected": dict(world.dynamo.injected) if world.dynamo else {},
             "reconnects": sum(seat.reconnects for seat in self.seats),
             "presence_converged_s": converged,
-            "presence_misses": misses[:10],
+            "presence_misses": sorted(misses, key=lambda m: "frames" not in m)[:10],
             **counts,
         }
 
