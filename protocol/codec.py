@@ -16,9 +16,11 @@ from websockets.frames import Frame as WireFrame
 from websockets.frames import Opcode
 
 from protocol.messages import (
+    Ack,
     AdminTest,
     ChatAck,
     GameEvent,
+    Heartbeat,
     PendingTurns,
     Positioned,
     PresenceDelta,
@@ -91,9 +93,18 @@ def to_wire(message: ServerMessage) -> dict[str, Any]:
             "verb": "chatAck",
             "payload": {"clientMsgId": message.client_msg_id, "timeStamp": message.time_stamp},
         }
+    if isinstance(message, Ack):
+        ack: dict[str, Any] = {"ackId": message.ack_id, "action": message.action}
+        if message.heartbeat_seconds is not None:
+            ack["heartbeatSeconds"] = message.heartbeat_seconds
+        return {"verb": "ack", "payload": ack}
+    if isinstance(message, Heartbeat):
+        return {"verb": "heartbeat", "payload": {}}
     payload: dict[str, Any] = {"code": message.code, "message": message.message}
     if message.client_msg_id is not None:
         payload["clientMsgId"] = message.client_msg_id
+    if message.ack_id is not None:
+        payload["ackId"] = message.ack_id
     return {"verb": "error", "payload": payload}
 
 

@@ -45,12 +45,19 @@ class CloseCode(IntEnum):
 class ProtocolError(Exception):
     """Untrusted input was rejected; carries the error frame to send back."""
 
-    def __init__(self, code: ErrorCode, message: str, client_msg_id: str | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        client_msg_id: str | None = None,
+        ack_id: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         # Echoed in the error frame so a client can tell which of its messages failed.
         self.client_msg_id = client_msg_id
+        self.ack_id = ack_id
 
 
 MAX_FRAME_BYTES = 64 * 1024
@@ -80,3 +87,6 @@ MAX_CLIENT_MSG_ID_CHARS = 128
 """Longest ``clientMsgId`` (a UUID is 36)."""
 
 MAX_MOVE_NUMBER = 1_000_000_000
+
+MAX_ACK_ID_CHARS = 64
+"""Longest ``ackId`` of a ``subscribe`` or ``watchGames``."""

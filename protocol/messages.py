@@ -46,6 +46,10 @@ class Subscribe:
     games: frozenset[GameKey] | None = None
     # None: the client sent no ``since`` (it does not speak streams).
     since: Since | None = None
+    # Answer with an ``ack`` once the whole action is applied (None: no ack).
+    ack_id: str | None = None
+    # Send this socket a ``heartbeat`` frame every --heartbeat-seconds.
+    heartbeat: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,7 @@ class WatchGames:
 
     games: frozenset[GameKey]
     since: Since | None = None
+    ack_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +165,8 @@ class ErrorMessage:
     code: str
     message: str
     client_msg_id: str | None = None
+    # The ``ackId`` of the subscribe or watchGames this error answers.
+    ack_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +175,27 @@ class ChatAck:
 
     client_msg_id: str
     time_stamp: int
+
+
+AckedAction = Literal["subscribe", "watchGames"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """``{"verb":"ack","payload":{"ackId","action"}}``: the whole action is applied.
+
+    ``heartbeat_seconds`` is set on the ack of a subscribe that asked for heartbeats.
+    """
+
+    ack_id: str
+    action: AckedAction
+    heartbeat_seconds: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """``{"verb":"heartbeat","payload":{}}``: sent to sockets that asked, every
+    --heartbeat-seconds, for clients that cannot see protocol pings (browsers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +246,8 @@ ServerMessage = (
     | Recovered
     | PendingTurns
     | ChatAck
+    | Ack
+    | Heartbeat
 )
 
 

@@ -8,14 +8,15 @@ Unknown extra fields are ignored, as the live client sends them.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any, TypeGuard
+from collections.abc import Callable, Mapping
+from typing import Any, TypeGuard, TypeVar
 
 import msgpack
 
 from protocol.chat import parse_chat
 from protocol.errors import (
     GAME_KEY_SEPARATOR,
+    MAX_ACK_ID_CHARS,
     MAX_GAME_FIELD_CHARS,
     MAX_TOKEN_CHARS,
     MAX_WATCHED_GAMES,
@@ -65,12 +66,9 @@ def parse_client_message(message: Any) -> ClientAction:
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, "message must be an object")
     action = message.get("action")
     if action == "subscribe":
-        return _parse_subscribe(message)
+        return _acked(message, _parse_subscribe)
     if action == "watchGames":
-        return WatchGames(
-            games=_parse_games(message.get("games"), required=True) or frozenset(),
-            since=parse_since(message.get("since")),
-        )
+        return _acked(message, _parse_watch_games)
     if action == "syncPresence":
         return SyncPresence()
     if action == "chat":
@@ -80,7 +78,40 @@ def parse_client_message(message: Any) -> ClientAction:
     raise ProtocolError(ErrorCode.UNKNOWN_ACTION, f"unknown action {_quote(action)}")
 
 
-def _parse_subscribe(message: Mapping[str, Any]) -> Subscribe:
+A = TypeVar("A", Subscribe, WatchGames)
+
+
+def _acked(message: Mapping[str, Any], parse: Callable[[Mapping[str, Any], str | None], A]) -> A:
+    """Parse an action that may carry an ``ackId``; its errors then carry it too."""
+    ack_id = _parse_ack_id(message)
+    try:
+        return parse(message, ack_id)
+    except ProtocolError as exc:
+        exc.ack_id = ack_id
+        raise
+
+
+def _parse_ack_id(message: Mapping[str, Any]) -> str | None:
+    value = message.get("ackId")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ACK_ID_CHARS or not _is_utf8(value):
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE,
+            f"'ackId' must be a string of 1 to {MAX_ACK_ID_CHARS} characters",
+        )
+    return value
+
+
+def _parse_watch_games(message: Mapping[str, Any], ack_id: str | None) -> WatchGames:
+    return WatchGames(
+        games=_parse_games(message.get("games"), required=True) or frozenset(),
+        since=parse_since(message.get("since")),
+        ack_id=ack_id,
+    )
+
+
+def _parse_subscribe(message: Mapping[str, Any], ack_id: str | None) -> Subscribe:
     token = message.get("token")
     if not isinstance(token, str) or not token:
         raise ProtocolError(ErrorCode.UNAUTHORIZED, "subscribe needs a 'token'")
@@ -103,6 +134,8 @@ def _parse_subscribe(message: Mapping[str, Any]) -> Subscribe:
         watch_version=watch_version,
         games=_parse_games(message.get("games"), required=False),
         since=parse_since(message.get("since")),
+        ack_id=ack_id,
+        heartbeat=_parse_bool(message, "heartbeat", default=False),
     )
 
 

@@ -1,4 +1,4 @@
-"""Streams, sans I/O: names, the recovery decision, and the per-stream cursor.
+"""Streams, sans I/O: names, positions, and the ordering and recovery rules.
 
 Every game and user event has a place in a stream:
 
@@ -8,14 +8,20 @@ Every game and user event has a place in a stream:
 A position is ``(epoch, offset)``: offsets count from 1 in each epoch, by
 exactly one per event; a new epoch means the stream's history was lost.
 
-The two pure pieces of logic live here so that they can be property-tested:
+Every ordering and recovery rule that needs no I/O lives here, so that it can
+be tested with plain values and property-tested:
 
+- :class:`StreamCursor` is a node's last delivered position on one stream.
+  :meth:`~StreamCursor.receive` decides each live event (deliver it, drop it
+  as a duplicate, repair the hole before it, or report a loss first), and
+  :meth:`~StreamCursor.fill` what a history read means for a cursor with a hole;
+- :func:`already_sent` is the per-client duplicate filter behind a replay;
 - :func:`merge_recovery` decides what a reconnecting client gets: the missed
   events from history merged with live events buffered meanwhile, or
-  ``recovered: false`` when continuity cannot be proven;
-- :class:`StreamCursor` tells a node, for each incoming event, whether to
-  deliver it, drop it as a duplicate, repair a gap first, or report an epoch
-  change.
+  ``recovered: false`` when continuity cannot be proven, and
+  :func:`answer_recovery` orders one stream's whole answer.
+
+``server/routing/`` does the reads and the writes around them.
 """
 
 from __future__ import annotations
@@ -129,6 +135,51 @@ def merge_recovery(
     return RecoveryPlan(True, epoch, newest, tuple((o, merged[o]) for o in expected))
 
 
+@dataclass(frozen=True, slots=True)
+class RecoveryAnswer(Generic[T]):
+    """One stream's answer to a client's ``since``, in the order it is sent:
+    ``replay``, then ``recovered`` at ``(epoch, offset)``, then ``live``
+    (events buffered meanwhile that come after that position; only when
+    recovery failed, since a successful replay already holds them)."""
+
+    recovered: bool
+    epoch: str
+    offset: int
+    replay: tuple[tuple[int, T], ...]
+    live: tuple[tuple[int, T], ...]
+
+
+def answer_recovery(
+    since: Position,
+    history: HistoryRead[T] | None,
+    buffered: Sequence[tuple[str, int, T]],
+) -> RecoveryAnswer[T]:
+    """The answer for one stream; ``history`` is None when it could not be read.
+
+    Without history nothing can be proven: ``recovered: false`` just before the
+    first live event buffered (or at offset 0 of the client's epoch), then the
+    buffered events, so the client hears everything from there on.
+    """
+    if history is None:
+        epoch, top = (buffered[0][0], buffered[0][1] - 1) if buffered else (since.epoch, 0)
+        return RecoveryAnswer(False, epoch, top, (), _after(buffered, epoch, top))
+    plan = merge_recovery(since, history, buffered)
+    live = () if plan.recovered else _after(buffered, plan.epoch, plan.offset)
+    return RecoveryAnswer(plan.recovered, plan.epoch, plan.offset, plan.events, live)
+
+
+def _after(
+    buffered: Sequence[tuple[str, int, T]], epoch: str, top: int
+) -> tuple[tuple[int, T], ...]:
+    return tuple((offset, event) for e, offset, event in buffered if e == epoch and offset > top)
+
+
+def already_sent(last: tuple[str, int] | None, epoch: str, offset: int) -> bool:
+    """Whether a client whose last sent position is ``last`` already has the event
+    at ``(epoch, offset)`` (its replay sent it): then the live copy is dropped."""
+    return last is not None and last[0] == epoch and offset <= last[1]
+
+
 class Step(Enum):
     """What a node does with one incoming event of a stream."""
 
@@ -136,6 +187,40 @@ class Step(Enum):
     DUPLICATE = "duplicate"  # at or below what was delivered: drop it
     GAP = "gap"  # beyond the next offset: fill the hole from history first
     NEW_EPOCH = "new_epoch"  # the stream lost its history: tell watchers, then deliver
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """What a node does with one live event, as its stream's cursor decided.
+
+    First, when ``lost`` is set, the stream's speakers are told ``recovered:
+    false`` at that position (continuity cannot be proven); then, when
+    ``deliver``, the event is delivered (the cursor is at it). Otherwise the
+    event is a duplicate (dropped) or, when :attr:`repair`, it waits while the
+    hole before it is filled from history.
+    """
+
+    step: Step
+    deliver: bool
+    lost: Position | None = None
+
+    @property
+    def repair(self) -> bool:
+        return self.step is Step.GAP and not self.deliver
+
+
+@dataclass(frozen=True, slots=True)
+class Repair(Generic[T]):
+    """What a history read means for a cursor with a hole: first, when ``lost``
+    is set, the speakers refetch from there; then ``events`` are delivered, in order."""
+
+    lost: Position | None
+    events: tuple[tuple[int, T], ...]
+
+
+_DELIVER = Arrival(Step.DELIVER, True)
+_DUPLICATE = Arrival(Step.DUPLICATE, False)
+_REPAIR = Arrival(Step.GAP, False)
 
 
 class StreamCursor:
@@ -161,6 +246,47 @@ class StreamCursor:
     def advance(self, epoch: str, offset: int) -> None:
         self.epoch = epoch
         self.offset = offset
+
+    def receive(self, epoch: str, offset: int, *, repairing: bool) -> Arrival:
+        """Decide one live event, and move to it when it is to be delivered.
+
+        ``repairing``: the hole before the event has just been read from history,
+        so a gap left now cannot be filled and is reported as lost instead.
+        """
+        step = self.step(epoch, offset)
+        if step is Step.DELIVER:
+            self.advance(epoch, offset)
+            return _DELIVER
+        if step is Step.DUPLICATE:
+            return _DUPLICATE
+        if step is Step.GAP and not repairing:
+            return _REPAIR
+        self.advance(epoch, offset)
+        return Arrival(step, True, Position(epoch, offset - 1))
+
+    def fill(self, history: HistoryRead[T]) -> Repair[T]:
+        """Take what ``history`` (read after this cursor's offset) holds of the hole,
+        and move to the last event it delivers.
+
+        When the hole is gone from history (or the stream has a new epoch), the
+        speakers must refetch from just before what history still holds, so
+        that everyone still hears every event it has.
+        """
+        lost = None
+        entries = history.entries
+        if history.epoch != self.epoch or (entries and entries[0][0] > self.offset + 1):
+            base = entries[0][0] - 1 if entries else history.top
+            lost = Position(history.epoch, base)
+            self.advance(history.epoch, base)
+        elif not entries and self.offset < history.top:
+            lost = Position(history.epoch, history.top)
+            self.advance(history.epoch, history.top)
+        events: list[tuple[int, T]] = []
+        for offset, event in entries:
+            if offset == self.offset + 1:
+                self.advance(history.epoch, offset)
+                events.append((offset, event))
+        return Repair(lost, tuple(events))
 
 
 def contiguous_after(start: int, offsets: Iterable[int]) -> bool:

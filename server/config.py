@@ -74,6 +74,7 @@ class Settings:
     flood_window_seconds: float = 20.0
     socket_send_buffer_bytes: int = 64 * 1024
     token_cache_size: int = 10000
+    heartbeat_seconds: int = 15
 
     @property
     def presence_debounce(self) -> float:
@@ -155,6 +156,8 @@ _HELP: dict[str, str] = {
     "flood_window_seconds": "window over which --flood-credits refill",
     "socket_send_buffer_bytes": "SO_SNDBUF of each client socket: bounds the kernel's part of "
     "the outbox instead of letting it autotune to 4 MiB (0 = kernel default)",
+    "heartbeat_seconds": "seconds between the heartbeat frames sent to sockets that asked "
+    "for them in subscribe (1-300); an SDK replaces a socket silent for 3 of these",
     "token_cache_size": "verified tokens remembered (LRU, by hash, never past exp) so a "
     "reconnect storm verifies each token once (0 = off)",
 }
@@ -334,6 +337,8 @@ def _validate(settings: Settings) -> None:
             raise ConfigError(f"{_flag(name)} must be positive")
     if settings.chat_rate < 1:
         raise ConfigError("--chat-rate must be at least 1")
+    if not 1 <= settings.heartbeat_seconds <= 300:
+        raise ConfigError("--heartbeat-seconds must be from 1 to 300")
 
 
 def parse(argv: Sequence[str] | None = None) -> Settings:

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import itertools
 import logging
+import random
 import socket
 import struct
 import termios
@@ -28,9 +29,10 @@ from websockets.protocol import State
 
 from protocol.codec import Frame
 from protocol.errors import MSGPACK_SUBPROTOCOL, CloseCode, ErrorCode
-from protocol.messages import Broadcast, ErrorMessage, GameKey
+from protocol.messages import Broadcast, ErrorMessage, GameKey, Subscribe
 from server.runtime.metrics import REGISTRY
 from server.runtime.token_bucket import TokenBucket
+from server.store.base import ConnectionRecord, ttl_from_now
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +43,21 @@ slow_consumers = REGISTRY.counter(
 
 _ids = itertools.count()
 
+DRAIN_BATCH_SECONDS = 0.1
+"""One batch of drain closes per this interval: 100 batches over the default 10 s."""
+
 
 class Session:
     """The server's view of one client connection."""
 
     __slots__ = (
+        "acking",
         "binary",
         "close_task",
         "connection_id",
         "credits",
         "deadline",
+        "heartbeat",
         "invisible",
         "kernel_capacity",
         "kind",
@@ -91,6 +98,9 @@ class Session:
         self.positions: dict[str, tuple[str, int]] | None = None
         # Streams being recovered -> live events buffered until the replay is sent.
         self.recovering: dict[str, list[tuple[str, int, Broadcast]]] = {}
+        # The ``ackId`` of the action being handled: its error frames carry it.
+        self.acking: str | None = None
+        self.heartbeat = False  # asked for heartbeat frames in its subscribe
 
     @property
     def subscribed(self) -> bool:
@@ -120,7 +130,8 @@ class Session:
         outbox_limit: int,
         client_msg_id: str | None = None,
     ) -> None:
-        self.send(Frame(ErrorMessage(code, message, client_msg_id)), outbox_limit)
+        error = ErrorMessage(code, message, client_msg_id, self.acking)
+        self.send(Frame(error), outbox_limit)
 
     def close(self, code: CloseCode, reason: str) -> None:
         """Start the closing handshake without waiting for it."""
@@ -157,8 +168,70 @@ class Session:
     def over_limit(self, outbox_limit: int) -> bool:
         return self.unsent_bytes(outbox_limit) > outbox_limit
 
+    def take_subscribe(
+        self, user_id: str, kind: str, action: Subscribe, games: frozenset[GameKey]
+    ) -> None:
+        """Become ``user_id`` with what ``action`` asks (``games``: the watch set allowed)."""
+        bot = kind == "bot"
+        self.user_id = user_id
+        self.kind = kind
+        self.invisible = action.invisible
+        # Bots get no presence unless they ask, and never fall back to legacy routing.
+        wants = action.wants_presence
+        self.wants_presence = wants if wants is not None else not bot
+        self.watch_version = action.watch_version
+        if bot and self.watch_version is None:
+            self.watch_version = 1
+        self.watching = games
+        self.heartbeat = action.heartbeat
+        self.row_ttl = ttl_from_now()
+        if action.since is not None and self.positions is None:
+            self.positions = {}
+
+    def row(self, endpoint: str) -> ConnectionRecord:
+        """This subscribed session's ``wsConnections`` row, on node ``endpoint``."""
+        assert self.user_id is not None
+        return ConnectionRecord(
+            connection_id=self.connection_id,
+            user_id=self.user_id,
+            invisible=self.invisible,
+            endpoint=endpoint,
+            wants_presence=self.wants_presence,
+            watch_version=self.watch_version,
+            watching_games=self.watching,
+            ttl=self.row_ttl,
+        )
+
     def __repr__(self) -> str:
         return f"<Session {self.connection_id} user={self.user_id}>"
+
+
+async def close_spread_out(
+    sessions: Sequence[Session], seconds: float, code: CloseCode, reason: str
+) -> None:
+    """Close ``sessions`` over ``seconds`` in jittered batches, in a random order:
+    closed all at once, their clients would all reconnect elsewhere in the same second."""
+    if not sessions:
+        return
+    order = list(sessions)
+    random.shuffle(order)
+    batches = max(1, min(len(order), round(seconds / DRAIN_BATCH_SECONDS)))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    # Batch i closes at a random moment of the i-th slice of the window.
+    moments = [started + seconds * (i + random.random()) / batches for i in range(batches)]
+    log.info("draining %d sessions over %gs in %d batches", len(order), seconds, batches)
+    for i, moment in enumerate(moments):
+        await asyncio.sleep(max(0.0, moment - loop.time()))
+        for session in order[i::batches]:
+            session.close(code, reason)
+
+
+async def wait_closed(sessions: Iterable[Session], within: float) -> None:
+    """Return once every closing handshake of ``sessions`` is over, or after ``within`` s."""
+    closing = [s.close_task for s in sessions if s.close_task is not None]
+    if closing:
+        await asyncio.wait(closing, timeout=within)
 
 
 def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> int:

@@ -15,11 +15,12 @@ import boto3
 import pytest
 
 from loadtest.harness.redis_cluster import RedisCluster, redis_cluster_for_tests
-from server.app import bound_port, build_node, start_listeners
+from server.app import bound_port, start_listeners
 from server.config import Settings
 from server.node import Node
 from server.store.base import Store
 from server.store.dynamodb import create_table
+from server.wiring import build_node
 from tests.client import DEV_SECRET, Client
 from tests.services import dynamodb_endpoint_for_tests
 

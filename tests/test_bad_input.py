@@ -53,7 +53,7 @@ async def test_a_bad_token_gets_an_error_then_close_1008(server: RunningServer) 
     error = await client.next_message(lambda m: m["verb"] == "error")
     assert error["payload"]["code"] == "unauthorized"
     assert await client.closed() == (1008, "invalid token")
-    assert not server.node.by_user
+    assert not server.node.index.by_user
 
 
 async def test_an_expired_token_gets_close_1008(server: RunningServer) -> None:
@@ -100,7 +100,7 @@ async def test_too_many_games_gets_an_error_and_keeps_the_old_set(server: Runnin
     error = await error_after(client, json.dumps({"action": "watchGames", "games": games}))
     assert error["code"] == "too_many_games"
     await client.barrier()
-    assert set(server.node.by_game) == {"chess#g1"}
+    assert set(server.node.index.by_game) == {"chess#g1"}
 
 
 def random_frames(seed: int, count: int) -> list[str | bytes]:

@@ -1,4 +1,5 @@
-"""The example client of docs/bots.md, run as written against a real node.
+"""The example bot of docs/bots.md, run as written against a real node: through an
+HTTP 503 at upgrade, a restart, a 1013, with every turn played once.
 
 The code block is cut out of the guide, written to a file and imported, so a
 change that breaks the guide breaks this test.
@@ -7,16 +8,20 @@ change that breaks the guide breaks this test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
+from apclient import FileStorage
 from protocol.errors import CloseCode
+from server.ingress.websocket import refused_upgrades
 from server.store import BotRecord, CurrentGame, MemoryStore
 from tests.cluster.harness import eventually
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
@@ -66,7 +71,7 @@ async def setup() -> AsyncIterator[Setup]:
     store = MemoryStore()
     store.put_bot(BotRecord(client_id=BOT, name="Guide", owner="owner-1"))
     settings = dataclasses.replace(
-        TEST_SETTINGS, bot_cognito_issuer=bots.issuer, bot_scope=BOT_SCOPE
+        TEST_SETTINGS, bot_cognito_issuer=bots.issuer, bot_scope=BOT_SCOPE, max_connections=1
     )
     try:
         async with run_server(settings, store) as server:
@@ -75,7 +80,7 @@ async def setup() -> AsyncIterator[Setup]:
         await issuer.stop()
 
 
-async def test_the_guide_example_learns_its_turns_and_reconnects(
+async def test_the_guide_example_plays_every_turn_through_refusals_and_reconnects(
     setup: Setup, tmp_path: Path
 ) -> None:
     example = load_example(tmp_path)
@@ -83,45 +88,64 @@ async def test_the_guide_example_learns_its_turns_and_reconnects(
     setup.store.put_current_game(BOT, CurrentGame("g2", "chess", (BOT, "alice"), "1"))
     turns: list[tuple[str, str]] = []
 
-    async def on_turn(meta: str, game_id: str) -> None:
-        turns.append((meta, game_id))
+    async def on_turn(turn: Any) -> None:
+        turns.append((turn.meta, turn.id))
 
-    bot = example.TurnBot(
-        setup.server.ws_url, setup.issuer.token_url, BOT, SECRET, BOT_SCOPE, on_turn
-    )
-    task = asyncio.create_task(bot.run())
     node = setup.server.node
+    positions = tmp_path / "positions.json"
+    # The node is full (--max-connections 1): the bot's first upgrade gets HTTP 503.
+    holder = await setup.server.subscribed("someone")
+    refused = refused_upgrades.value
+    task = asyncio.create_task(
+        example.run_bot(
+            setup.server.ws_url,
+            setup.issuer.token_url,
+            BOT,
+            SECRET,
+            BOT_SCOPE,
+            on_turn,
+            positions=str(positions),
+        )
+    )
     try:
-        await eventually(lambda: turns == [("chess", "g1")], 10, "the pending turn")
+        await eventually(lambda: refused_upgrades.value > refused, 10, "a 503 at upgrade")
+        assert not task.done(), "the example gave up on a 503"
+        await holder.close()
+        await eventually(lambda: turns == [("chess", "g1")], 30, "the pending turn")
         assert setup.issuer.tokens_issued == 1
         # The server restarts the socket; meanwhile the bot must move in g2 too.
         setup.store.put_current_game(BOT, CurrentGame("g2", "chess", (BOT, "alice"), "0"))
-        (session,) = node.by_user[BOT]
+        (session,) = node.index.by_user[BOT]
         session.close(CloseCode.SERVICE_RESTART, "server restarting")
-        await eventually(lambda: len(turns) == 3, 10, "pendingTurns after the reconnect")
-        assert sorted(turns[1:]) == [("chess", "g1"), ("chess", "g2")]
-        (again,) = node.by_user[BOT]
+        # g2 is new; g1, listed again, is the same ply and is not played twice
+        await eventually(lambda: len(turns) == 2, 15, "pendingTurns after the reconnect")
+        assert turns[1] == ("chess", "g2")
+        (again,) = node.index.by_user[BOT]
         assert again is not session and again.is_bot
         assert setup.issuer.tokens_issued == 1  # the token was reused, not fetched again
 
-        # Live turns arrive as yourTurn; the bot keeps its stream position.
+        # Live turns arrive as yourTurn; the position is stored once the turn was played.
         await publish_turn(setup.server, "g3")
         await eventually(lambda: turns[-1:] == [("chess", "g3")], 10, "a live yourTurn")
-        assert bot.positions[f"user:{BOT}"]["offset"] == 1
+        await eventually(lambda: stored(positions) == 1, 10, "the stored position")
         # Turns published while it is away are replayed when it reconnects with since.
-        # 1013 makes the example wait a second or two before it reconnects.
-        (session,) = node.by_user[BOT]
+        # 1013 makes the bot wait at least 5 s before it reconnects.
+        (session,) = node.index.by_user[BOT]
         session.close(CloseCode.TRY_AGAIN_LATER, "try again later")
-        await eventually(lambda: BOT not in node.by_user, 10, "the bot to be gone")
-        mark = len(turns)
+        await eventually(lambda: BOT not in node.index.by_user, 10, "the bot to be gone")
         await publish_turn(setup.server, "g4")
         await publish_turn(setup.server, "g5")
-        assert BOT not in node.by_user, "the example reconnected too soon for this test"
-        # replayed in order, then the pendingTurns of the new subscribe
-        await eventually(lambda: len(turns) == mark + 4, 10, "the replay and pendingTurns")
-        assert turns[mark : mark + 2] == [("chess", "g4"), ("chess", "g5")]
-        assert sorted(turns[mark + 2 :]) == [("chess", "g1"), ("chess", "g2")]
-        assert bot.positions[f"user:{BOT}"]["offset"] == 3
+        assert BOT not in node.index.by_user, "the example reconnected too soon for this test"
+        await eventually(lambda: len(turns) == 5, 30, "the replay")
+        assert turns[3:] == [("chess", "g4"), ("chess", "g5")]
+        await eventually(lambda: stored(positions) == 3, 10, "the stored position")
     finally:
-        await bot.stop()
-        await asyncio.wait_for(task, 10)  # stop() ends run()
+        task.cancel()  # how a bot is stopped (Ctrl-C)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+    assert task.cancelled()
+
+
+def stored(path: Path) -> int | None:
+    position = FileStorage(path).load().get(f"user:{BOT}")
+    return None if position is None else position.offset

@@ -90,7 +90,7 @@ async def test_pending_turns_list_every_game_where_the_bot_is_to_move(world: Wor
     bot = await world.bot()
     assert await pending_turns(bot) == {("chess", "g-mine"), ("chess", "g-simul-mine-2")}
     # simultaneous: index 0 is the bot, whose flag is False in g-simul-mine
-    assert world.server.node.by_user[BOT]
+    assert world.server.node.index.by_user[BOT]
 
 
 async def test_a_bot_watches_all_its_current_games_without_watch_games(world: World) -> None:
@@ -106,7 +106,9 @@ async def test_a_bot_watches_all_its_current_games_without_watch_games(world: Wo
     await bot.next_message(lambda m: m["verb"] == "game" and m["payload"]["id"] == "g1")
     got = [m["payload"]["id"] for m in bot.of_verb("game")]
     assert got == ["g2", "g1"]  # not g-other: a bot is never a legacy "every game" client
-    row = await world.store.get_connection(next(iter(world.server.node.by_user[BOT])).connection_id)
+    row = await world.store.get_connection(
+        next(iter(world.server.node.index.by_user[BOT])).connection_id
+    )
     assert row is not None and row.watching_games == {"chess#g1", "chess#g2"}
     assert row.wants_presence is False and row.watch_version == 1
 
@@ -119,7 +121,7 @@ async def test_bots_are_not_in_presence_and_get_no_presence_frames(world: World)
     await alice.barrier()
     assert alice.presence.visible == {"alice"}
     assert alice.presence.server_total == 1
-    assert world.server.node.local_presence.user_count == 1
+    assert world.server.node.presence.local.user_count == 1
     # a presence change reaches humans, and still not the bot
     await world.server.subscribed("bob", token=world.humans.id_token("bob"))
     await alice.wait_for(lambda: "bob" in alice.presence.visible)
@@ -142,11 +144,11 @@ async def test_a_bot_that_asks_for_presence_gets_it(world: World) -> None:
 
 async def test_human_and_bot_tokens_are_told_apart(world: World) -> None:
     alice = await world.server.subscribed("alice", token=world.humans.id_token("alice"))
-    session = next(iter(world.server.node.by_user["alice"]))
+    session = next(iter(world.server.node.index.by_user["alice"]))
     assert session.kind == "human" and not session.is_bot
     bot = await world.bot()
     await pending_turns(bot)
-    assert next(iter(world.server.node.by_user[BOT])).kind == "bot"
+    assert next(iter(world.server.node.index.by_user[BOT])).kind == "bot"
     assert alice.of_verb("pendingTurns") == []
 
 
@@ -169,7 +171,7 @@ async def test_bad_bot_tokens_are_refused(world: World, case: str, token: Any, r
     assert error["payload"]["code"] == "unauthorized"
     assert reason in error["payload"]["message"]
     assert (await client.closed())[0] == 1008
-    assert BOT not in world.server.node.by_user
+    assert BOT not in world.server.node.index.by_user
 
 
 async def test_a_human_token_is_never_a_bot_token_and_back(world: World) -> None:
@@ -190,7 +192,7 @@ async def test_a_human_token_is_never_a_bot_token_and_back(world: World) -> None
         if reason is not None:
             assert reason in error["payload"]["message"]
         assert (await client.closed())[0] == 1008
-    assert set(world.server.node.by_user) == set()
+    assert set(world.server.node.index.by_user) == set()
 
 
 def _claims(pool: Pool) -> dict[str, Any]:
@@ -213,10 +215,10 @@ async def test_a_bot_may_hold_at_most_max_connections(world: World) -> None:
     await pending_turns(other)
     await first.close()
     node = world.server.node
-    await eventually(lambda: len(node.by_user[BOT]) == 1, 5, "the closed socket to leave")
+    await eventually(lambda: len(node.index.by_user[BOT]) == 1, 5, "the closed socket to leave")
     fourth = await world.bot()
     assert await pending_turns(fourth) == set()
-    assert len(world.server.node.by_user[BOT]) == 2
+    assert len(world.server.node.index.by_user[BOT]) == 2
 
 
 async def test_the_bot_pool_being_unreachable_is_a_clear_try_again(world: World) -> None:
@@ -391,5 +393,5 @@ async def test_a_drain_closes_bots_with_1012_without_a_presence_grace(world: Wor
     # drain does not wait out the (here 30 s) move grace for it.
     assert asyncio.get_running_loop().time() - started < 15
     assert (await bot.closed())[0] == 1012
-    assert world.server.node.local_presence.user_count == 0
+    assert world.server.node.presence.local.user_count == 0
     assert world.server.node.sessions == set()

@@ -109,6 +109,8 @@ def test_both_bridges_run_on_a_redis_cluster() -> None:
         (["--max-connections", "-1"], {}, "max-connections must not be negative"),
         ([], {"AP_FLOOD_CREDITS": "0"}, "flood-credits must be positive"),
         (["--flood-window-seconds", "0"], {}, "flood-window-seconds must be positive"),
+        (["--heartbeat-seconds", "0"], {}, "heartbeat-seconds must be from 1 to 300"),
+        ([], {"AP_HEARTBEAT_SECONDS": "301"}, "heartbeat-seconds must be from 1 to 300"),
     ],
 )
 def test_bad_settings_are_refused_clearly(

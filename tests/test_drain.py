@@ -45,7 +45,7 @@ async def test_drain_is_not_ready_at_once_and_closes_everyone_with_1012_spread_o
     assert moments[-1] - moments[0] > SECONDS / 3
     assert moments[-1] < SECONDS + 5
     # Each drained user is withdrawn only after the move grace, then for good.
-    assert server.node.local_presence.user_count == 0
+    assert server.node.presence.local.user_count == 0
     assert server.node.sessions == set()
 
 

@@ -21,7 +21,7 @@ from websockets.frames import Frame as WsFrame
 from websockets.frames import Opcode
 
 from protocol.parse import parse_broadcast
-from server.app import bad_frames
+from server.ingress.websocket import bad_frames
 from server.session import READ_SLICE_BYTES, frames_parsed
 from tests.client import DEV_SECRET, dev_token
 from tests.conftest import PUBLISH_SECRET, RunningServer
@@ -227,9 +227,9 @@ async def test_connections_per_user_are_capped_with_4509(server: RunningServer) 
     error = await extra.next_message(lambda m: m["verb"] == "error")
     assert error["payload"]["code"] == "too_many_connections"
     assert (await extra.closed())[0] == 4509
-    assert len(server.node.by_user["alice"]) == 3
+    assert len(server.node.index.by_user["alice"]) == 3
     await first[0].close()
-    await wait_until(lambda: len(server.node.by_user["alice"]) == 2)
+    await wait_until(lambda: len(server.node.index.by_user["alice"]) == 2)
     await server.subscribed("alice")  # a slot is free again
     other = await server.subscribed("bob")  # other users are not affected
     assert other.presence.snapshots == 1
@@ -243,14 +243,14 @@ async def test_watched_games_per_user_are_capped_over_all_sockets(server: Runnin
     error = await two.next_message(lambda m: m["verb"] == "error")
     assert error["payload"]["code"] == "too_many_games"
     await two.barrier()
-    assert server.node.games_by_user["alice"] == 4
+    assert server.node.index.games_by_user["alice"] == 4
     assert two.ws.close_code is None  # an error frame; the connection stays
     await one.watch([("chess", "g0")])
     await one.barrier()
     await two.watch([("go", f"x{i}") for i in range(3)])  # now it fits
     await two.barrier()
-    assert server.node.games_by_user["alice"] == 4
-    assert {key for key in server.node.by_game if key.startswith("go#")} == {
+    assert server.node.index.games_by_user["alice"] == 4
+    assert {key for key in server.node.index.by_game if key.startswith("go#")} == {
         "go#x0",
         "go#x1",
         "go#x2",
@@ -345,7 +345,7 @@ async def test_a_non_reading_client_is_dropped_within_the_close_timeout(
     ws = await non_reading_client(server.ws_url)
     await ws.send(json.dumps({"action": "subscribe", "token": dev_token("slow"), "games": []}))
     await ws.send(json.dumps({"action": "watchGames", "games": [{"meta": "chess", "id": "g1"}]}))
-    await wait_until(lambda: "chess#g1" in server.node.by_game)
+    await wait_until(lambda: "chess#g1" in server.node.index.by_game)
     session = await publish_until_closed(server)
     # what it held when it was closed: user space plus the kernel, about the limit
     assert session.unsent_bytes(0) <= 256 * 1024 + 64 * 1024
@@ -360,7 +360,7 @@ async def test_a_slow_client_that_reads_again_sees_4008(server: RunningServer) -
     ws = await non_reading_client(server.ws_url)
     await ws.send(json.dumps({"action": "subscribe", "token": dev_token("slow"), "games": []}))
     await ws.send(json.dumps({"action": "watchGames", "games": [{"meta": "chess", "id": "g1"}]}))
-    await wait_until(lambda: "chess#g1" in server.node.by_game)
+    await wait_until(lambda: "chess#g1" in server.node.index.by_game)
     await publish_until_closed(server)
     ws.transport.resume_reading()
     with pytest.raises(ConnectionClosedError):

@@ -47,12 +47,12 @@ async def test_watch_games_replaces_the_set_and_refreshes_the_row(server: Runnin
     assert row.watching_games == frozenset({"go#g2", "go#g3"})
     assert row.watch_version == 1
     assert row.ttl > old_ttl
-    assert set(server.node.by_game) == {"go#g2", "go#g3"}
+    assert set(server.node.index.by_game) == {"go#g2", "go#g3"}
     await alice.watch([])
     await alice.barrier()
     [row] = await rows_of(server, "alice")
     assert row.watching_games == frozenset()
-    assert server.node.by_game == {}
+    assert server.node.index.by_game == {}
 
 
 async def test_sync_presence_sends_a_fresh_snapshot(server: RunningServer) -> None:
@@ -77,7 +77,7 @@ async def test_close_deletes_the_row_and_the_indexes(server: RunningServer) -> N
             break
         await asyncio.sleep(0.02)
     assert await rows_of(server, "alice") == []
-    assert server.node.by_game == {} and server.node.by_user == {}
+    assert server.node.index.by_game == {} and server.node.index.by_user == {}
 
 
 @pytest.mark.parametrize("server", [{"ttl_refresh_seconds": 0.2}], indirect=True)
@@ -104,7 +104,7 @@ async def test_keepalive_drops_a_dead_peer(server: RunningServer) -> None:
     assert transport is not None
     transport.pause_reading()
     await watcher.wait_for(lambda: "ghost" not in watcher.presence.visible, within=5)
-    assert "ghost" not in server.node.by_user
+    assert "ghost" not in server.node.index.by_user
     assert await rows_of(server, "ghost") == []
     transport.resume_reading()
 
@@ -166,4 +166,4 @@ async def test_resubscribe_as_another_user_is_refused(server: RunningServer) -> 
     error = await alice.next_message(lambda m: m["verb"] == "error")
     assert error["payload"]["code"] == "user_mismatch"
     await alice.barrier()
-    assert server.node.by_user.keys() == {"alice"}
+    assert server.node.index.by_user.keys() == {"alice"}

@@ -126,10 +126,11 @@ async def test_a_record_published_again_with_no_dedup_trace_is_pushed_once(
         },
     }
     next_reader = NotificationPush(
-        pushing.node,
+        pushing.node.publish,
         pushing.node.store,
         MemoryLease(),
         MemoryDedup(),
+        node_id=pushing.node.node_id,
         table=stream_table,
         region=TEST_REGION,
         endpoint_url=None,

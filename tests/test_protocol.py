@@ -16,9 +16,12 @@ from protocol.codec import Frame
 from protocol.envelope import EnvelopeError, PresenceHint, decode_envelope, encode_envelope
 from protocol.errors import MAX_WATCHED_GAMES, ErrorCode, ProtocolError
 from protocol.messages import (
+    Ack,
     AdminTest,
     Broadcast,
+    ErrorMessage,
     GameEvent,
+    Heartbeat,
     PresenceDelta,
     PresenceSnapshot,
     Subscribe,
@@ -345,3 +348,63 @@ def test_envelopes_carry_a_version_and_refuse_others() -> None:
         decode_envelope(msgpack.packb(body))
     with pytest.raises(EnvelopeError):
         decode_envelope(b"\x00garbage")
+
+
+# --- acknowledgements and heartbeats -------------------------------------------
+
+
+def test_ack_id_and_heartbeat_are_parsed() -> None:
+    sub = parse_client_message(
+        {"action": "subscribe", "token": "t", "ackId": "a" * 64, "heartbeat": True}
+    )
+    assert isinstance(sub, Subscribe) and sub.ack_id == "a" * 64 and sub.heartbeat
+    plain = parse_client_message({"action": "subscribe", "token": "t"})
+    assert isinstance(plain, Subscribe) and plain.ack_id is None and not plain.heartbeat
+    watch = parse_client_message({"action": "watchGames", "games": [], "ackId": "w"})
+    assert isinstance(watch, WatchGames) and watch.ack_id == "w"
+
+
+@pytest.mark.parametrize("ack_id", ["", "a" * 65, 3, True, {}, "\ud800"])
+def test_an_unusable_ack_id_fails_the_action_without_echo(ack_id: Any) -> None:
+    for action in ({"action": "subscribe", "token": "t"}, {"action": "watchGames", "games": []}):
+        with pytest.raises(ProtocolError) as caught:
+            parse_client_message({**action, "ackId": ack_id})
+        assert caught.value.code is ErrorCode.INVALID_MESSAGE
+        assert caught.value.ack_id is None
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ({"action": "subscribe"}, ErrorCode.UNAUTHORIZED),
+        ({"action": "subscribe", "token": "t", "heartbeat": 1}, ErrorCode.INVALID_MESSAGE),
+        ({"action": "watchGames"}, ErrorCode.INVALID_MESSAGE),
+        (
+            {"action": "watchGames", "games": [{"meta": "m", "id": str(i)} for i in range(1001)]},
+            ErrorCode.TOO_MANY_GAMES,
+        ),
+    ],
+)
+def test_errors_of_an_acked_action_carry_its_ack_id(
+    message: dict[str, Any], code: ErrorCode
+) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        parse_client_message({**message, "ackId": "k1"})
+    assert caught.value.code is code and caught.value.ack_id == "k1"
+
+
+def test_ack_heartbeat_and_error_frames() -> None:
+    assert json.loads(Frame(Ack("k", "watchGames")).text) == {
+        "verb": "ack",
+        "payload": {"ackId": "k", "action": "watchGames"},
+    }
+    assert json.loads(Frame(Ack("k", "subscribe", 15)).text) == {
+        "verb": "ack",
+        "payload": {"ackId": "k", "action": "subscribe", "heartbeatSeconds": 15},
+    }
+    assert json.loads(Frame(Heartbeat()).text) == {"verb": "heartbeat", "payload": {}}
+    error = Frame(ErrorMessage("too_many_games", "no", ack_id="k"))
+    assert msgpack.unpackb(error.binary) == {
+        "verb": "error",
+        "payload": {"code": "too_many_games", "message": "no", "ackId": "k"},
+    }

@@ -183,10 +183,10 @@ async def test_a_slow_client_is_closed_and_delays_nobody(server: RunningServer) 
     code, reason = await slow.closed(within=10)
     assert (code, reason) == (4008, "slow consumer")
     for _ in range(100):
-        if server.node.by_user.keys() == {"fast"}:
+        if server.node.index.by_user.keys() == {"fast"}:
             break
         await asyncio.sleep(0.05)
-    assert server.node.by_user.keys() == {"fast"}
+    assert server.node.index.by_user.keys() == {"fast"}
 
 
 async def test_a_publish_retried_with_its_idempotency_key_is_delivered_once(

@@ -302,9 +302,11 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
             await asyncio.sleep(1.2)  # visibility and claim both expired: the kill window
             published = REGISTRY.value("ap_sqs_messages_published_total")
             bridge = SqsBridge(
-                running.node,
+                running.node.publish,
+                running.node.bus,
                 RedisDedup(make_client(redis_url, retries=1)),
                 queue,
+                node_id=running.node.node_id,
                 region=TEST_REGION,
                 endpoint_url=dynamodb_endpoint,
                 pollers=1,

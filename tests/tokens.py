@@ -113,6 +113,9 @@ class JwksServer:
         self.port = 0
         self.clients: dict[str, tuple[str, Pool]] = {}  # client id -> (secret, pool)
         self.tokens_issued = 0
+        self.token_lifetime = 3600  # expires_in of the tokens issued
+        self.token_requests = 0
+        self.token_down = False  # the token URL answers 503
         self._runner: web.AppRunner | None = None
 
     @property
@@ -123,6 +126,9 @@ class JwksServer:
         self.clients[client_id] = (secret, pool)
 
     async def _token(self, request: web.Request) -> web.Response:
+        self.token_requests += 1
+        if self.token_down:
+            return web.Response(status=503, text="down for maintenance")
         form = await request.post()
         try:
             scheme, encoded = request.headers["Authorization"].split(" ", 1)
@@ -135,9 +141,10 @@ class JwksServer:
         if form.get("grant_type") != "client_credentials" or form.get("scope") != BOT_SCOPE:
             return web.json_response({"error": "invalid_request"}, status=400)
         self.tokens_issued += 1
-        token = known[1].bot_token(client_id)
+        lifetime = self.token_lifetime
+        token = known[1].bot_token(client_id, exp=int(time.time()) + lifetime)
         return web.json_response(
-            {"access_token": token, "expires_in": 3600, "token_type": "Bearer"}
+            {"access_token": token, "expires_in": lifetime, "token_type": "Bearer"}
         )
 
     @property

@@ -79,6 +79,10 @@ class Options:
     """abuse: run only these attacks (default: all)."""
     abuse_pad: int = 2000
     """abuse: payload bytes added to each steady event, so slow readers fill up."""
+    accept_rate: float = 500.0
+    """sdk: each node's --accept-rate, and the limit its accepts per second are checked against."""
+    drain_seconds: float = 10.0
+    """sdk: each node's --drain-seconds in the rolling restart."""
 
 
 @dataclass(frozen=True)

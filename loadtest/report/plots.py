@@ -18,7 +18,7 @@ import itertools
 
 import matplotlib.pyplot as plt
 
-from loadtest.cli import figure_rows
+from loadtest.report.summary import figure_rows
 from loadtest.report.targets import format_value
 
 COLORS = {

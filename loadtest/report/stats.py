@@ -9,7 +9,7 @@ them; nothing keeps individual samples.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 _EXACT = 64
@@ -154,3 +154,22 @@ def ratio(ours: float, theirs: float) -> float:
     if theirs == 0 or math.isnan(theirs) or math.isnan(ours):
         return math.nan
     return ours / theirs
+
+
+def mean_of(values: Sequence[int]) -> float:
+    """The mean, rounded to two places (0 for none)."""
+    return round(sum(values) / len(values), 2) if values else 0.0
+
+
+def seconds_summary(times: Sequence[float]) -> dict[str, float]:
+    """p50, p99 and max of ascending durations in seconds (NaN for none)."""
+    import numpy as np  # here: the load generators import this module too, and need no numpy
+
+    if not times:
+        return {"p50_s": math.nan, "p99_s": math.nan, "max_s": math.nan}
+    p50, p99 = np.percentile(np.asarray(times), [50, 99], method="higher")
+    return {
+        "p50_s": round(float(p50), 3),
+        "p99_s": round(float(p99), 3),
+        "max_s": round(times[-1], 3),
+    }

@@ -35,7 +35,7 @@ from loadtest.harness.runner import (
     ws_endpoint,
 )
 from loadtest.harness.servers import Proc, create_table, start_moto, start_ours, start_redis
-from loadtest.report.stats import Histogram, ratio
+from loadtest.report.stats import Histogram, mean_of, ratio, seconds_summary
 from loadtest.report.targets import Target, check
 from loadtest.scenarios.abuse import abuse, churn, run_metrics
 from loadtest.scenarios.bots import bots
@@ -54,10 +54,6 @@ def _kib(value: float) -> float:
 
 def _servers(options: Options) -> list[str]:
     return ["baseline", "ours"] if options.baseline else ["ours"]
-
-
-def _mean(values: Sequence[int]) -> float:
-    return round(sum(values) / len(values), 2) if values else 0.0
 
 
 # --- connecting and memory ----------------------------------------------------
@@ -148,7 +144,7 @@ async def fanout(run: Run) -> Result:
         targets[kind] = [await run.start_server(kind)]
     servers = await fanout_compare(run, targets, specs, games, watchers)
     await run.stop_servers(*targets)
-    result: Result = {"servers": servers, "watchers_per_game": _mean(watchers)}
+    result: Result = {"servers": servers, "watchers_per_game": mean_of(watchers)}
     # issue 8: the streams must keep fan-out at least as cheap as the baseline
     result.update(_fanout_verdicts(options, servers, "ours", "fanout", ratio_limit=1.0))
     return result
@@ -164,7 +160,7 @@ async def baseline(run: Run) -> Result:
     proc = await run.start_server("baseline")
     servers = await fanout_compare(run, {"baseline": [proc]}, specs, games, watchers)
     await run.stop_servers("baseline")
-    return {"servers": servers, "watchers_per_game": _mean(watchers), "targets": []}
+    return {"servers": servers, "watchers_per_game": mean_of(watchers), "targets": []}
 
 
 async def fanout_compare(
@@ -720,7 +716,7 @@ async def _storm_one(run: Run, label: str, proc: Proc, specs: Sequence[ClientSpe
         "subscribed": subscribed,
         "all_subscribed": everyone,
         "time_to_all_subscribed_s": round(times[-1], 3) if times and everyone else math.nan,
-        "time_to_subscribed_s": _summary_s(times),
+        "time_to_subscribed_s": seconds_summary(times),
         "failed_connects": counters.get("connect_failures", 0),
         "dropped": counters.get("dropped", 0),
         "tcp_listen_queue": {
@@ -771,17 +767,6 @@ async def _reconnect_storm(run: Run, label: str, proc: Proc, count: int) -> Resu
         await run.replies("reconnect", limit=30)
     await run.pool.broadcast({"op": "close_all"}, limit=30)
     return {"all_subscribed": done, "token_cache_hits": int(hits), **meter}
-
-
-def _summary_s(times: Sequence[float]) -> dict[str, float]:
-    if not times:
-        return {"p50_s": math.nan, "p99_s": math.nan, "max_s": math.nan}
-    p50, p99 = np.percentile(np.asarray(times), [50, 99], method="higher")
-    return {
-        "p50_s": round(float(p50), 3),
-        "p99_s": round(float(p99), 3),
-        "max_s": round(times[-1], 3),
-    }
 
 
 # --- cluster ------------------------------------------------------------------
@@ -872,7 +857,7 @@ async def cluster(run: Run) -> Result:
     rverdicts = _rcluster_verdicts(options, fan, failover)
     return {
         "servers": servers,
-        "watchers_per_game": _mean(watchers),
+        "watchers_per_game": mean_of(watchers),
         "ratios": {**verdicts.get("ratios", {}), **rverdicts["ratios"]},
         "failover": failover,
         "targets": verdicts["targets"]

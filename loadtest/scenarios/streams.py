@@ -34,9 +34,9 @@ from loadtest.harness.runner import (
     ws_endpoint,
 )
 from loadtest.harness.servers import Proc, redis_used_memory
-from loadtest.report.stats import ratio
+from loadtest.report.stats import mean_of, ratio, seconds_summary
 from loadtest.report.targets import Target, check
-from loadtest.scenarios.core import Result, _mean, _summary_s, fanout_compare
+from loadtest.scenarios.core import Result, fanout_compare
 
 STREAM_CHECKS = (
     "stream_events",
@@ -121,7 +121,7 @@ async def publish(run: Run) -> Result:
             round(statistics.median(per_round), 1) if per_round else math.nan
         )
         figs["saturate"]["publishes_per_cpu_s_rounds"] = [round(v, 1) for v in per_round]
-    result: Result = {"servers": servers, "watchers_per_game": _mean(watchers)}
+    result: Result = {"servers": servers, "watchers_per_game": mean_of(watchers)}
     if "baseline" in servers:
         base = servers["baseline"]["saturate"]
         result["ratios"] = {
@@ -236,7 +236,7 @@ async def recovery(run: Run) -> Result:
         ]
     return {
         "servers": servers,
-        "watchers_per_game": _mean(watchers),
+        "watchers_per_game": mean_of(watchers),
         "targets": targets,
     }
 
@@ -360,8 +360,8 @@ async def _recovery_phases(
         "all_recovered": everyone,
         "all_recovered_within_storm_timeout": done,
         "time_to_all_recovered_s": round(recovered[-1], 3) if recovered and everyone else math.nan,
-        "time_to_recovered_s": _summary_s_extended(recovered),
-        "time_to_snapshot_s": _summary_s(snapshots),
+        "time_to_recovered_s": _seconds_summary_extended(recovered),
+        "time_to_snapshot_s": seconds_summary(snapshots),
         "lost": counters.get("lost", 0) + behind,
         "lost_in_holes": counters.get("lost", 0),
         "behind_top_at_end": behind,
@@ -413,8 +413,8 @@ def _tops(publisher: Publisher, games: Sequence[tuple[str, str]]) -> dict[str, i
     }
 
 
-def _summary_s_extended(times: Sequence[float]) -> dict[str, float]:
-    out = _summary_s(times)
+def _seconds_summary_extended(times: Sequence[float]) -> dict[str, float]:
+    out = seconds_summary(times)
     if times:
         p90 = np.percentile(np.asarray(times), 90, method="higher")
         out["p90_s"] = round(float(p90), 3)

@@ -1,1 +1,2 @@
-"""Doors into the cluster besides client sockets: the internal HTTP API."""
+"""Doors into the cluster: client WebSockets, the internal HTTP API, the SQS bridge,
+and notifications from the table's stream."""

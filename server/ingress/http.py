@@ -14,15 +14,16 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from typing import Protocol
 
 from aiohttp import web
 
 from protocol.errors import ProtocolError
-from protocol.messages import AdminTest
+from protocol.messages import AdminTest, Broadcast, Position
 from protocol.parse import parse_broadcast
 from server.bus.streams import new_event_id
+from server.config import Settings
 from server.ingress import status
-from server.node import Node
 from server.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from server.runtime.metrics import REGISTRY
 
@@ -44,6 +45,19 @@ def event_name(request: web.Request) -> str | None:
     return IDEMPOTENCY_PREFIX + key
 
 
+class HttpHub(status.StatusSource, Protocol):
+    """What the internal HTTP listener needs of the hub (``server.node.Node`` is one)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    async def publish(
+        self, message: Broadcast, *, event_id: str | None = None
+    ) -> dict[str, Position]: ...
+
+    def readiness(self) -> dict[str, bool]: ...
+
+
 def _json(status: int, body: dict[str, object]) -> web.Response:
     return web.json_response(body, status=status)
 
@@ -62,8 +76,8 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def build_app(node: Node) -> web.Application:
-    secret = node.settings.publish_secret
+def build_app(node: HttpHub, settings: Settings) -> web.Application:
+    secret = settings.publish_secret
 
     async def publish(request: web.Request) -> web.Response:
         if secret is None:
@@ -103,7 +117,7 @@ def build_app(node: Node) -> web.Application:
         return _json(200, {"status": "ok", "node": node.node_id})
 
     async def readyz(request: web.Request) -> web.Response:
-        checks = {"started": node.ready, "bus": node.bus.serving}
+        checks = node.readiness()
         status = 200 if all(checks.values()) else 503
         return web.Response(
             status=status,
@@ -121,5 +135,5 @@ def build_app(node: Node) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
-    status.add_routes(app, node)
+    status.add_routes(app, node, settings)
     return app

@@ -42,8 +42,8 @@ from server.bus.streams import NOTIFICATION_NAME
 from server.coordination.dedup import Claim, Dedup
 from server.coordination.lease import Lease
 from server.ingress.table_stream import Record, TableStreamReader
-from server.node import Node
 from server.runtime.metrics import REGISTRY
+from server.services import Publish
 from server.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -112,19 +112,20 @@ class NotificationPush:
 
     def __init__(
         self,
-        node: Node,
+        publish: Publish,
         store: Store,
         lease: Lease,
         dedup: Dedup,
         *,
+        node_id: str,
         table: str,
         region: str,
         endpoint_url: str | None,
         poll_seconds: float,
     ) -> None:
-        self._node = node
+        self._publish_event = publish
         self._dedup = dedup
-        self._token = f"{node.node_id}/{uuid.uuid4().hex}"
+        self._token = f"{node_id}/{uuid.uuid4().hex}"
         self._calls = 0
         self.reader = TableStreamReader(
             store,
@@ -191,5 +192,5 @@ class NotificationPush:
             return
         # Named as long as the dedup above remembers the record (24 h).
         name = NOTIFICATION_NAME + notification.sk
-        await self._node.publish(message, require_cluster=True, event_id=name)
+        await self._publish_event(message, require_cluster=True, event_id=name)
         pushed.inc()

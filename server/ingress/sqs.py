@@ -41,9 +41,10 @@ from botocore.config import Config
 from protocol.errors import ProtocolError
 from protocol.messages import Broadcast
 from protocol.parse import parse_broadcast
+from server.bus.base import Bus
 from server.coordination.dedup import Claim, Dedup
-from server.node import Node
 from server.runtime.metrics import REGISTRY
+from server.services import Publish
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +111,20 @@ class SqsBridge:
 
     def __init__(
         self,
-        node: Node,
+        publish: Publish,
+        bus: Bus,
         dedup: Dedup,
         queue_url: str,
         *,
+        node_id: str,
         region: str,
         endpoint_url: str | None = None,
         pollers: int = 4,
         wait_seconds: int = 20,
         visibility_seconds: int = 30,
     ) -> None:
-        self._node = node
+        self._publish = publish
+        self._bus = bus
         self._dedup = dedup
         self.queue_url = queue_url
         self._region = region
@@ -128,7 +132,7 @@ class SqsBridge:
         self._pollers = pollers
         self._wait = wait_seconds
         self._visibility = visibility_seconds
-        self._token = f"{node.node_id}/{uuid.uuid4().hex}"
+        self._token = f"{node_id}/{uuid.uuid4().hex}"
         self._batches = 0
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
@@ -255,7 +259,7 @@ class SqsBridge:
                 await self._pause(failures, "publishing failed; messages handed back")
 
     def _bus_settled(self) -> bool:
-        bus = self._node.bus
+        bus = self._bus
         if not bus.connected:
             return False
         since: float | None = getattr(bus, "reconnected_at", None)  # the Redis bus only
@@ -328,9 +332,7 @@ class SqsBridge:
                 later.append(message)
             else:
                 try:
-                    await self._node.publish(
-                        event, require_cluster=True, event_id=message.message_id
-                    )
+                    await self._publish(event, require_cluster=True, event_id=message.message_id)
                 except Exception as exc:
                     ok = False
                     errors.inc()

@@ -13,14 +13,13 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import asdict
+from collections.abc import AsyncIterator, Sized
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from server.node import Node
+from server.config import Settings
 from server.runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -30,10 +29,19 @@ HISTORY_SAMPLES = 300  # ten minutes at one sample every two seconds
 PAGE = resources.files("server.ingress").joinpath("status.html").read_bytes()
 
 
+class StatusSource(Protocol):
+    """What the page needs of the hub (``server.node.Node`` is one)."""
+
+    @property
+    def sessions(self) -> Sized: ...
+
+    async def status(self) -> dict[str, Any]: ...
+
+
 class History:
     """Connections and bus events per second, one sample per ``SAMPLE_SECONDS``."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: StatusSource) -> None:
         self.node = node
         self.samples: deque[tuple[float, int, float]] = deque(maxlen=HISTORY_SAMPLES)
         self._last: tuple[float, float] | None = None
@@ -61,33 +69,22 @@ class History:
         }
 
 
-async def status(node: Node, history: History) -> dict[str, Any]:
-    settings = node.settings
-    members: list[dict[str, Any]] | None
-    try:
-        async with asyncio.timeout(2):
-            members = [asdict(m) for m in await node.presence_backend.members()]
-    except Exception as exc:  # Redis down: the page says so rather than failing
-        log.info("status: cluster members unavailable: %s", exc)
-        members = None
+async def status(node: StatusSource, settings: Settings, history: History) -> dict[str, Any]:
+    """The hub's own figures, with its settings, this process's counters and the chart."""
+    own = await node.status()
     return {
-        "node": node.node_id,
+        "node": own["node"],
         "mode": "cluster" if settings.clustered else "embedded",
         "time": time.time(),
-        "ready": node.ready,
-        "draining": node.draining,
-        "connections": len(node.sessions),
-        "users": node.local_presence.user_count,
-        "watched_games": len(node.by_game),
-        "presence": {
-            "seq": node.view.seq,
-            "writer": node.writer.leading,
-            "online_total": node.view.total,
-            "report_backlog": node.report_backlog,
-        },
+        "ready": own["ready"],
+        "draining": own["draining"],
+        "connections": own["connections"],
+        "users": own["users"],
+        "watched_games": own["watched_games"],
+        "presence": own["presence"],
         "bus": {
             "kind": "redis" if settings.clustered else "memory",
-            "connected": node.bus.connected,
+            "connected": own["bus_connected"],
             "reconnects": REGISTRY.get("ap_bus_reconnects_total"),
         },
         "store": {
@@ -105,19 +102,19 @@ async def status(node: Node, history: History) -> dict[str, Any]:
             "received": REGISTRY.value("ap_bus_messages_total"),
             "frames_sent": REGISTRY.value("ap_frames_sent_total"),
         },
-        "nodes": members,
+        "nodes": own["nodes"],
         "history": history.as_json(),
     }
 
 
-def add_routes(app: web.Application, node: Node) -> None:
+def add_routes(app: web.Application, node: StatusSource, settings: Settings) -> None:
     history = History(node)
 
     async def page(request: web.Request) -> web.Response:
         return web.Response(body=PAGE, content_type="text/html", charset="utf-8")
 
     async def status_json(request: web.Request) -> web.Response:
-        return web.json_response(await status(node, history))
+        return web.json_response(await status(node, settings, history))
 
     async def sampling(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(history.run(), name="status-history")

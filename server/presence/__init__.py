@@ -1,1 +1,2 @@
-"""Presence: local counts, the writer, the view; the Redis backend and its scripts."""
+"""Presence: local counts, the writer, the view (core); one node's part in it
+(node_presence); the Redis backend and its scripts."""

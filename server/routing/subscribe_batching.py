@@ -1,7 +1,7 @@
 """Subscriptions that callers wait for, in batches: one bus round trip for many.
 
 Before a recovery reads any history, its session's streams must be heard on
-the bus (``Node.recover``). In a reconnect storm that is thousands of
+the bus (``Recovery.recover``). In a reconnect storm that is thousands of
 ``Bus.subscribe`` calls, each a ``SUBSCRIBE`` and a confirming round trip on
 Redis. Here the topics asked for while a subscribe is out are gathered and go
 out as the next single ``subscribe``; every caller returns once the bus has

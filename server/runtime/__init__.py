@@ -1,1 +1,1 @@
-"""The process around the node: metrics, logs, pauses, reclaim, write-behind."""
+"""The process around the node: metrics, logs, pauses, reclaim, write-behind, task helpers."""

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from server.runtime.metrics import REGISTRY
 from server.runtime.write_behind import CoalescingFlusher
-from server.store.base import ConnectionRecord, Store
+from server.session import Session
+from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
 
 store_write_failures = REGISTRY.counter(
     "ap_store_write_retries_total", "Connection row writes that failed and were queued again"
@@ -89,6 +92,24 @@ class ConnectionRegistry:
 
     async def drained(self) -> None:
         await self._flusher.drained()
+
+    async def keep_alive(self, sessions: Iterable[Session], interval: float) -> None:
+        """Every ``interval``, push forward the ttl of the rows of ``sessions`` (a live
+        set) that live longer than it; runs until cancelled."""
+        while True:
+            await asyncio.sleep(interval)
+            horizon = time.time() + CONNECTION_TTL_SECONDS - interval * 2
+            for session in list(sessions):
+                if session.subscribed and session.row_ttl < horizon:
+                    session.row_ttl = ttl_from_now()
+                    self.refresh_ttl(session.connection_id, session.row_ttl)
+
+    def rewrite(self, sessions: Iterable[Session], endpoint: str) -> None:
+        """Write every subscribed session's row again: the cluster presumed this node
+        (``endpoint``) dead and deleted them while it was only unreachable."""
+        for session in sessions:
+            if session.subscribed:
+                self.put(session.row(endpoint))
 
     def put(self, record: ConnectionRecord) -> None:
         self._flusher.put(record.connection_id, Put(record))

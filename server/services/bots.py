@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Collection, Iterable
 
 from protocol.codec import Frame
 from protocol.errors import MAX_WATCHED_GAMES, CloseCode, ErrorCode
 from protocol.messages import GameKey, PendingTurns, game_key
 from protocol.streams import user_stream
 from server.runtime.metrics import REGISTRY
+from server.services import Watch
 from server.session import Session
 from server.store.base import CurrentGame, Store, StoreUnavailable
-
-if TYPE_CHECKING:
-    from server.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +59,28 @@ def is_to_move(game: CurrentGame, player_id: str) -> bool:
 
 
 class BotService:
-    """Admission and pending turns of bot connections on one node."""
+    """Admission and pending turns of bot connections on one node.
+
+    Of the hub it gets callables: ``subscribe`` (bus topics, heard once the call
+    returns), ``watch`` (a session's new watch set) and ``is_open`` (whether a
+    session is still connected).
+    """
 
     def __init__(
         self,
         store: Store,
         max_connections: int,
         outbox_limit: int,
+        *,
+        subscribe: Callable[[Iterable[str]], Awaitable[None]],
+        watch: Watch,
+        is_open: Callable[[Session], bool],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
+        self._subscribe = subscribe
+        self._watch = watch
+        self._is_open = is_open
         self._max_connections = max_connections
         self._outbox_limit = outbox_limit
         self._clock = clock
@@ -130,14 +139,14 @@ class BotService:
         session.close(close, code.value)
         return False
 
-    async def send_pending_turns(self, node: Node, session: Session) -> None:
+    async def send_pending_turns(self, session: Session) -> None:
         """Watch every current game of the bot and send ``pendingTurns``."""
         bot_id = session.user_id
         assert bot_id is not None
         try:
             # Hear the bot's user stream before reading its games: a turn published
             # after the read then arrives live, one published before is in the rows.
-            await node.bus.subscribe([user_stream(bot_id)])
+            await self._subscribe([user_stream(bot_id)])
         except Exception as exc:
             log.warning("bot %s: user stream subscription failed: %s", bot_id, exc)
         try:
@@ -152,12 +161,12 @@ class BotService:
                 CloseCode.TRY_AGAIN_LATER,
             )
             return
-        if session not in node.sessions or session.user_id != bot_id:
+        if not self._is_open(session) or session.user_id != bot_id:
             return  # closed (or taken over) while the games were read
         watched = watch_set(session.watching, games)
         if watched != session.watching:
-            await node.watch(session, watched)
-            if session not in node.sessions:
+            await self._watch(session, watched)
+            if not self._is_open(session):
                 return
         pending = tuple((g.meta, g.game_id) for g in games if is_to_move(g, bot_id))
         pending_sent.inc()

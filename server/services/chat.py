@@ -18,16 +18,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable
-from typing import Protocol
 
 from protocol.codec import Frame
 from protocol.errors import ErrorCode
-from protocol.messages import Broadcast, Chat, ChatAck
+from protocol.messages import Chat, ChatAck
 from protocol.parse import parse_broadcast
 from server.coordination.game_lock import GameLocks, LockUnavailable
 from server.coordination.rate_limit import RateLimiter
 from server.runtime.metrics import REGISTRY
+from server.services import Publish
 from server.services.chat_marks import ChatMarks
 from server.session import Session
 from server.store.base import Store, StoreUnavailable
@@ -44,10 +43,6 @@ comments_refused = REGISTRY.counter(
 comments_duplicate = REGISTRY.counter(
     "ap_chat_duplicates_total", "Chat actions whose clientMsgId was already stored"
 )
-
-
-class Publish(Protocol):
-    def __call__(self, message: Broadcast, *, event_id: str | None = None) -> Awaitable[object]: ...
 
 
 class ChatRefused(Exception):

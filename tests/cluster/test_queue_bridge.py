@@ -56,6 +56,14 @@ def moves(first: int, count: int) -> list[dict[str, Any]]:
     ]
 
 
+async def watcher_on(cluster: Cluster, node: str, user: str) -> Client:
+    """A stream speaker watching chess#g1: once its ``since`` is answered (the
+    barrier), its node hears the game's live events, so none can pass it by."""
+    client = await cluster.client(node, user, games=[("chess", "g1")], since={})
+    await client.barrier()
+    return client
+
+
 def seen(client: Client) -> list[int]:
     return [m["payload"]["n"] for m in client.of_verb("game")]
 
@@ -97,7 +105,7 @@ async def test_competing_consumers_deliver_each_message_once(
     bridged: tuple[Cluster, str],
 ) -> None:
     cluster, queue_url = bridged
-    watchers = [await cluster.client(name, f"w-{name}", games=[("chess", "g1")]) for name in NODES]
+    watchers = [await watcher_on(cluster, name, f"w-{name}") for name in NODES]
     await asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 200))
     for watcher in watchers:
         await eventually(lambda w=watcher: len(seen(w)) >= 200, 30, "200 events")  # type: ignore[misc]
@@ -128,8 +136,8 @@ async def test_a_node_killed_mid_run_loses_and_duplicates_nothing(
     bridged: tuple[Cluster, str],
 ) -> None:
     cluster, queue_url = bridged
-    watcher = await cluster.client("b2", "survivor", games=[("chess", "g1")])
-    await cluster.client("b1", "doomed", games=[("chess", "g1")])
+    watcher = await watcher_on(cluster, "b2", "survivor")
+    await watcher_on(cluster, "b1", "doomed")
     sender = asyncio.create_task(
         asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 300))
     )

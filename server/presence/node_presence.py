@@ -1,0 +1,240 @@
+"""One node's part in presence: report its users, keep its view, serve its watchers.
+
+- Its users' transitions (first tab, last tab, visibility) go to the cluster
+  through a coalescing flusher: a burst of changes is one report.
+- The committed deltas it hears on the bus are applied to its view in seq
+  order and sent to its presence watchers; a gap reloads the view, and so does
+  a bus reconnect, which also sends every watcher a fresh snapshot.
+- ``syncPresence`` gets a snapshot, at most one per second per connection.
+- A user sent away by a drain stays reported here for the move grace, so that
+  their reconnect elsewhere is reported first and nobody sees them flap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Set
+from contextlib import AsyncExitStack
+from dataclasses import asdict
+from typing import Any
+
+from protocol.codec import Frame
+from protocol.messages import PresenceDelta
+from server.config import Settings
+from server.presence.core import (
+    LocalPresence,
+    PresenceBackend,
+    PresenceView,
+    PresenceWriter,
+    presence_resyncs,
+)
+from server.runtime.metrics import REGISTRY
+from server.runtime.tasks import run_until_unwound
+from server.runtime.write_behind import CoalescingFlusher
+from server.session import Session, send_frame
+from server.store.base import Store
+
+log = logging.getLogger(__name__)
+
+RELOAD_ATTEMPTS = 20
+"""Tries to reload presence after a bus reconnect (about 15 s of backoff in all)."""
+SYNC_PRESENCE_INTERVAL = 1.0
+"""Seconds between two snapshots answering one connection's syncPresence."""
+
+# The same counter as the topic flusher's (one name, one counter): retried bus changes.
+bus_failures = REGISTRY.counter(
+    "ap_bus_subscription_retries_total", "Bus subscription changes that failed and were retried"
+)
+
+
+class NodePresence:
+    def __init__(
+        self,
+        settings: Settings,
+        backend: PresenceBackend,
+        store: Store,
+        sessions: Set[Session],
+        watchers: Set[Session],
+        seen: Callable[[str], None],
+    ) -> None:
+        """``sessions`` and ``watchers`` are the hub's live sets (all open sessions,
+        and those that want presence); ``seen`` marks a user's lastSeen."""
+        self._settings = settings
+        self._backend = backend
+        self._sessions = sessions
+        self._watchers = watchers
+        self._seen = seen
+        self._outbox_limit = settings.outbox_limit_bytes
+        self.local = LocalPresence()
+        self.view = PresenceView()
+        self.writer = PresenceWriter(backend, store, settings.presence_debounce)
+        self._reports: CoalescingFlusher[str, bool | None] = CoalescingFlusher(
+            "presence-reports", self._report, lambda _old, new: new, bus_failures
+        )
+        self._reports_since: float | None = None  # when the oldest unreported change happened
+        # None asks the delta loop to reload the view and push fresh snapshots.
+        self._deltas: asyncio.Queue[PresenceDelta | None] = asyncio.Queue()
+        self._moving = 0  # drained sessions whose user is still reported here
+        self._moves_done = asyncio.Event()
+        REGISTRY.gauge("ap_users", "Distinct users on this node", self._user_count)
+        REGISTRY.gauge("ap_presence_seq", "Seq of this node's presence view", lambda: self.view.seq)
+
+    @property
+    def report_backlog(self) -> int:
+        """Presence changes of this node's users not yet reported to the cluster."""
+        return self._reports.backlog
+
+    def _user_count(self) -> float:
+        return float(self.local.user_count)
+
+    async def start(self, stack: AsyncExitStack) -> None:
+        """Load the committed view, then start reporting, writing and applying deltas;
+        each part's stop goes on ``stack`` as it starts."""
+        self.view.reset(await self._backend.committed())
+        self._reports.start()
+        stack.push_async_callback(self._reports.close)
+        self.writer.start()
+        stack.push_async_callback(self.writer.close)
+        run_until_unwound(stack, self._delta_loop(), "presence-deltas")
+
+    # --- this node's users ----------------------------------------------------
+
+    def joined(self, user_id: str, invisible: bool) -> None:
+        self.local.add(user_id, invisible)
+        self._queue_reports()
+
+    def left(self, user_id: str, invisible: bool) -> None:
+        self.local.remove(user_id, invisible)
+        self._queue_reports()
+
+    def left_for_another_node(self, user_id: str, invisible: bool) -> None:
+        """Sent away by the drain: the user counts as online here a while longer,
+        for their reconnect to another node to be reported first."""
+        self._moving += 1
+        grace = self._settings.drain_move_grace_ms / 1000
+        asyncio.get_running_loop().call_later(grace, self._moved, user_id, invisible)
+
+    def _moved(self, user_id: str, invisible: bool) -> None:
+        self._moving -= 1
+        self.left(user_id, invisible)
+        if not self._moving:
+            self._moves_done.set()
+
+    async def drained(self) -> None:
+        """Return once every drained user's grace is over and every change is reported."""
+        if self._moving:
+            await self._moves_done.wait()
+        await self._reports.drained()
+
+    def _queue_reports(self) -> None:
+        pending = self.local.take_pending()
+        if pending and self._reports_since is None:
+            self._reports_since = time.time()
+        for user_id, state in pending.items():
+            self._reports.put(user_id, state)
+
+    async def _report(self, batch: dict[str, bool | None]) -> dict[str, bool | None]:
+        since, self._reports_since = self._reports_since, None
+        await self._backend.report(batch, time.time() if since is None else since)
+        return {}
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "seq": self.view.seq,
+            "writer": self.writer.leading,
+            "online_total": self.view.total,
+            "report_backlog": self.report_backlog,
+        }
+
+    async def members(self) -> list[dict[str, Any]] | None:
+        """The cluster's nodes as the backend knows them; None when it cannot say now."""
+        try:
+            async with asyncio.timeout(2):
+                return [asdict(m) for m in await self._backend.members()]
+        except Exception as exc:  # Redis down: the page says so rather than failing
+            log.info("status: cluster members unavailable: %s", exc)
+            return None
+
+    # --- the view and its watchers --------------------------------------------
+
+    def send_snapshot(self, session: Session) -> None:
+        session.send(self.view.snapshot_frame(), self._outbox_limit)
+
+    def sync(self, session: Session) -> None:
+        """A snapshot now, or one at the end of the second that the last one opened:
+        each costs the whole visible list, so a client asking in a loop gets at
+        most one per second, and asks made meanwhile share it."""
+        if session.sync_pending:
+            return
+        loop = asyncio.get_running_loop()
+        wait = session.sync_at + SYNC_PRESENCE_INTERVAL - loop.time()
+        if wait <= 0:
+            self._send_sync(session)
+        else:
+            session.sync_pending = True
+            loop.call_later(wait, self._send_sync, session)
+
+    def _send_sync(self, session: Session) -> None:
+        session.sync_pending = False
+        session.sync_at = asyncio.get_running_loop().time()
+        if session in self._sessions:
+            self.send_snapshot(session)
+            if session.user_id is not None:
+                self._seen(session.user_id)
+
+    def delta(self, delta: PresenceDelta) -> None:
+        """A committed delta heard on the bus."""
+        self._deltas.put_nowait(delta)
+
+    def hint(self, user_ids: Iterable[str], changed_at: float | None) -> None:
+        """Users whose presence may have changed somewhere: for the writer, if it leads."""
+        self.writer.hint(user_ids, changed_at)
+
+    def resync(self) -> None:
+        """The bus reconnected and may have lost messages: reload the view and
+        send every presence watcher a fresh snapshot; the writer looks at everyone."""
+        self._deltas.put_nowait(None)
+        self.writer.reconcile()
+
+    async def _delta_loop(self) -> None:
+        while True:
+            delta = await self._deltas.get()
+            if delta is None:
+                await self._reload_view()
+                continue
+            if delta.seq <= self.view.seq:
+                continue  # already applied (a reload got ahead of it)
+            if delta.seq != self.view.seq + 1:
+                # A gap in what this node heard: read the committed state again.
+                # Clients see the gap too and repair it with syncPresence.
+                presence_resyncs.inc()
+                log.warning("presence gap at node: have %d, got %d", self.view.seq, delta.seq)
+                try:
+                    self.view.reset(await self._backend.committed())
+                except Exception as exc:
+                    log.warning("presence reload failed: %s", exc)
+                if delta.seq == self.view.seq + 1:
+                    self.view.apply(delta)
+            else:
+                self.view.apply(delta)
+            send_frame(self._watchers, Frame(delta), self._outbox_limit)
+
+    async def _reload_view(self) -> None:
+        presence_resyncs.inc()
+        # Right after a reconnect Redis may still refuse (a cluster still
+        # electing, a client on a stale slot map): retry rather than leave the
+        # watchers without the snapshot that covers what they missed.
+        delay = 0.1
+        for attempt in range(RELOAD_ATTEMPTS):
+            try:
+                self.view.reset(await self._backend.committed())
+                break
+            except Exception as exc:
+                if attempt == RELOAD_ATTEMPTS - 1:
+                    log.warning("presence reload after a bus reconnect failed: %s", exc)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+        send_frame(self._watchers, self.view.snapshot_frame(), self._outbox_limit)

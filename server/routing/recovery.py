@@ -1,0 +1,187 @@
+"""Answering a client's ``since``: the events it missed, then ``recovered`` per stream.
+
+A recovering session buffers the live events of each stream it recovers from
+before the history read until its replay is written (``Session.recovering``),
+so the switch from replay to live loses and duplicates nothing. What to send
+is decided by :func:`protocol.streams.merge_recovery`; here are the reads, the
+writes, and a cache of replayed frames shared by every client that missed the
+same events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+from protocol.codec import Frame
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    Broadcast,
+    GameEvent,
+    Position,
+    Positioned,
+    Recovered,
+    ServerMessage,
+    Since,
+    Skip,
+    UserEvent,
+)
+from protocol.streams import (
+    HistoryRead,
+    answer_recovery,
+    game_stream,
+    stream_game,
+    stream_user,
+    user_stream,
+)
+from server.routing.history_reads import HistoryReads
+from server.routing.subscribe_batching import SubscribeBatcher
+from server.runtime.metrics import REGISTRY
+from server.session import Session, send_frames
+
+log = logging.getLogger(__name__)
+
+recoveries = REGISTRY.counter("ap_stream_recoveries_total", "Client recoveries answered")
+recoveries_failed = REGISTRY.counter(
+    "ap_stream_recoveries_failed_total", "Client recoveries answered with recovered:false"
+)
+
+REPLAY_FRAME_CACHE = 16384
+"""Replayed frames (and ``recovered: true`` answers) kept, least recently used
+out, for other clients recovering the same events: a storm over 1,000 games
+with 10 missed events each replays 10,000 distinct frames (about 1 KB each)."""
+
+
+class Recovery:
+    def __init__(
+        self, history: HistoryReads, subscribes: SubscribeBatcher, outbox_limit: int
+    ) -> None:
+        self._history = history
+        # Every subscribe a recovery waits for goes out in batches, so a storm's are a few calls.
+        self._subscribes = subscribes
+        self._outbox_limit = outbox_limit
+        # Replayed frames, shared by every client recovering the same events.
+        self._replay_frames: OrderedDict[tuple[str, str, int, str], Frame] = OrderedDict()
+
+    async def close(self) -> None:
+        await self._subscribes.close()
+
+    async def recover(self, session: Session, since: Since) -> None:
+        """Answer ``since``: per entitled stream, the missed events then ``recovered``.
+
+        The session buffers live events of a stream from before the history
+        read until its replay is sent (in one loop turn, with the buffer), so
+        the switch from replay to live loses and duplicates nothing.
+        """
+        wanted: list[tuple[str, Position]] = []
+        for stream, position in since.items():
+            if _entitled(session, stream):
+                session.recovering[stream] = []
+                wanted.append((stream, position))
+            else:
+                session.send_error(
+                    ErrorCode.STREAM_NOT_ALLOWED,
+                    f"not entitled to stream {stream[:80]!r}: watch the game first, "
+                    "or name your own user stream",
+                    self._outbox_limit,
+                )
+        # Hear every stream of the session before answering, and before reading
+        # any history: then history and live together cover everything
+        # (docs/protocol.md, "Recovery"), and a stream speaker's next request is
+        # handled only once its live streams are in place.
+        assert session.user_id is not None
+        streams = {game_stream(key) for key in session.watching}
+        streams.add(user_stream(session.user_id))
+        try:
+            await self._subscribes.subscribe(streams)
+        except Exception as exc:
+            log.warning("subscribe before recovery failed: %s", exc)
+        if not wanted:
+            return
+        reads = await asyncio.gather(
+            *(self._history.read(stream, position.offset) for stream, position in wanted),
+            return_exceptions=True,
+        )
+        # Every stream's answer in one write: one system call per client, not per event.
+        # Nothing is awaited until it is written, so no live event comes between.
+        out: list[Frame] = []
+        for (stream, position), history in zip(wanted, reads, strict=True):
+            buffered = session.recovering.pop(stream, None)
+            if buffered is None:
+                continue  # the session stopped watching meanwhile
+            self._answer(session, stream, position, history, buffered, out)
+        send_frames(session, out, self._outbox_limit)
+
+    def _answer(
+        self,
+        session: Session,
+        stream: str,
+        since: Position,
+        history: HistoryRead[Broadcast] | BaseException,
+        buffered: list[tuple[str, int, Broadcast]],
+        out: list[Frame],
+    ) -> None:
+        recoveries.inc()
+        positions = session.positions
+        assert positions is not None
+        if isinstance(history, BaseException):
+            log.warning("history of %s unreadable during recovery: %s", stream, history)
+            answer = answer_recovery(since, None, buffered)
+        else:
+            answer = answer_recovery(since, history, buffered)
+        epoch, offset = answer.epoch, answer.offset
+        for event_offset, message in answer.replay:
+            self._send_one(session, stream, epoch, event_offset, message, out)
+        if answer.recovered:
+            recovered = Recovered(stream, True, epoch, offset)
+            out.append(self._replay_frame((stream, epoch, offset, "recovered"), lambda: recovered))
+        else:
+            recoveries_failed.inc()
+            out.append(Frame(Recovered(stream, False, epoch, offset)))
+        positions[stream] = (epoch, offset)
+        for event_offset, message in answer.live:
+            self._send_one(session, stream, epoch, event_offset, message, out)
+
+    def _send_one(
+        self,
+        session: Session,
+        stream: str,
+        epoch: str,
+        offset: int,
+        message: Broadcast,
+        out: list[Frame],
+    ) -> None:
+        assert session.positions is not None
+        session.positions[stream] = (epoch, offset)
+        if session.user_id in message.exclude:
+            key = (stream, epoch, offset, "skip")
+            out.append(self._replay_frame(key, lambda: Skip(stream, epoch, offset)))
+            return
+        event = message.event
+        assert isinstance(event, GameEvent | UserEvent)
+        key = (stream, epoch, offset, "event")
+        out.append(self._replay_frame(key, lambda: Positioned(event, stream, epoch, offset)))
+
+    def _replay_frame(
+        self, key: tuple[str, str, int, str], build: Callable[[], ServerMessage]
+    ) -> Frame:
+        """The frame for ``key`` from the cache, or built and kept: the replay's
+        frames are the same for every client that missed the same events."""
+        frames = self._replay_frames
+        frame = frames.get(key)
+        if frame is not None:
+            frames.move_to_end(key)
+            return frame
+        frame = frames[key] = Frame(build())
+        if len(frames) > REPLAY_FRAME_CACHE:
+            frames.popitem(last=False)
+        return frame
+
+
+def _entitled(session: Session, stream: str) -> bool:
+    game = stream_game(stream)
+    if game is not None:
+        return game in session.watching
+    return stream_user(stream) == session.user_id
