@@ -100,7 +100,9 @@ class Node:
         self.delivery = StreamDelivery(
             self.index, self.history, self.presence, self.bots.send_pending_turns, limit
         )
-        self.recovery = Recovery(self.history, SubscribeBatcher(bus), limit)
+        self.recovery = Recovery(
+            self.history, SubscribeBatcher(bus), limit, held=self.delivery.hold
+        )
         self.chat_marks = ChatMarks(store)
         self.chat = ChatService(
             store,

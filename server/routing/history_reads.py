@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -36,12 +38,20 @@ one pool connection, leaving the rest for publishes and presence."""
 DECODED_CACHE = 16384
 """Decoded events kept, least recently used out: a storm reads the same streams
 again and again, and an event's bytes at one position never change."""
+PATIENCE_S = 30.0
+"""How long a recovery or a repair tries its history read again while Redis is
+away: past a restart or a failover (seconds), short of leaving a tab waiting."""
+
+log = logging.getLogger(__name__)
 
 history_batches = REGISTRY.counter(
     "ap_stream_history_batches_total", "Round trips that read stream histories"
 )
 history_reads = REGISTRY.counter(
     "ap_stream_history_reads_total", "Stream histories read (after sharing within a batch)"
+)
+patient_retries = REGISTRY.counter(
+    "ap_stream_history_retries_total", "History reads tried again because Redis was away"
 )
 
 DecodedRead = HistoryRead[Broadcast]
@@ -75,6 +85,25 @@ class HistoryReads:
                 asyncio.get_running_loop().call_soon(self._send)
         # Shielded: one asker going away must not cancel the read for the others.
         return await asyncio.shield(future)
+
+    async def read_patiently(
+        self, stream: str, after: int, within: float = PATIENCE_S
+    ) -> DecodedRead | None:
+        """``read``, tried again while Redis is away (a restart, a failover, a
+        blackhole) for up to ``within`` seconds: an answer built without the
+        history could only guess the stream's epoch and top. None if it never came."""
+        deadline = time.monotonic() + within
+        delay = 0.05
+        while True:
+            try:
+                return await self.read(stream, after)
+            except Exception as exc:
+                if time.monotonic() + delay > deadline:
+                    log.warning("history of %s unreadable for %gs: %s", stream, within, exc)
+                    return None
+                patient_retries.inc()
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     @property
     def queued(self) -> int:
