@@ -17,12 +17,13 @@ SEED = 20
 
 async def test_ninety_seconds_of_chaos_lose_double_and_skip_nothing() -> None:
     result = await run_chaos(
-        ChaosOptions(minutes=1.5, seed=SEED, topology="redis", clients=120, rate=30.0)
+        ChaosOptions(minutes=1.5, seed=SEED, topology="redis", clients=120, rate=30.0, games=40)
     )
     report = "\n".join(report_lines(result))
     assert result["faults"], report
     assert result["publishes"]["accepted"] > 1000, report
-    assert result["received"] > 10 * result["publishes"]["accepted"] // 2, report
+    # 120 tabs watch 3 of 40 games each (9 per game) and their own user streams.
+    assert result["received"] > 3 * result["publishes"]["accepted"], report
     assert result["lost"] == 0, report
     assert result["duplicated"] == 0, report
     assert result["out_of_order"] == 0, report
