@@ -276,6 +276,18 @@ class World:
         self.started = time.monotonic()
 
     async def _start_node(self, name: str, ports: tuple[int, int] | None = None) -> Proc:
+        for _ in range(5):
+            try:
+                return await self._start_node_once(name, ports)
+            except StartError as exc:
+                # A free port taken before the node bound it (a Redis Cluster's
+                # outgoing connections use the same range): again, on fresh ports.
+                if "address already in use" not in str(exc):
+                    raise
+                ports = None
+        return await self._start_node_once(name, None)
+
+    async def _start_node_once(self, name: str, ports: tuple[int, int] | None) -> Proc:
         assert self.dynamo is not None
         return await start_ours(
             name,
