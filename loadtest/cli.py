@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest",
         description="Load tests for the Abstract Play real-time server.",
+        epilog="Also: chaos (minutes of random faults over 3 nodes; "
+        "python -m loadtest chaos --help).",
     )
     commands = parser.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
     for name in SCENARIOS:
@@ -303,6 +305,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["chaos"]:
+        # Its own processes and clients, not the worker pool: loadtest/scenarios/chaos.py.
+        from loadtest.scenarios import chaos
+
+        return chaos.main(given[1:])
     args = build_parser().parse_args(argv)
     options = options_from(args)
     fd_limit = raise_fd_limit()

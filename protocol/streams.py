@@ -180,13 +180,20 @@ def already_sent(last: tuple[str, int] | None, epoch: str, offset: int) -> bool:
     return last is not None and last[0] == epoch and offset <= last[1]
 
 
+def unannounced(last: tuple[str, int] | None, epoch: str, offset: int) -> bool:
+    """Whether the event at ``(epoch, offset)`` would skip past a client's last
+    position ``last`` (another epoch, or a hole) without a ``recovered: false``:
+    then the client is told one first, at ``offset - 1``."""
+    return last is not None and (last[0] != epoch or offset > last[1] + 1)
+
+
 class Step(Enum):
     """What a node does with one incoming event of a stream."""
 
     DELIVER = "deliver"  # the next offset (or the first one heard): deliver it
     DUPLICATE = "duplicate"  # at or below what was delivered: drop it
     GAP = "gap"  # beyond the next offset: fill the hole from history first
-    NEW_EPOCH = "new_epoch"  # the stream lost its history: tell watchers, then deliver
+    NEW_EPOCH = "new_epoch"  # the stream lost its history: read the new epoch's, tell, deliver
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +204,7 @@ class Arrival:
     false`` at that position (continuity cannot be proven); then, when
     ``deliver``, the event is delivered (the cursor is at it). Otherwise the
     event is a duplicate (dropped) or, when :attr:`repair`, it waits while the
-    hole before it is filled from history.
+    hole before it (or the new epoch's first events) is read from history.
     """
 
     step: Step
@@ -206,7 +213,7 @@ class Arrival:
 
     @property
     def repair(self) -> bool:
-        return self.step is Step.GAP and not self.deliver
+        return self.step in (Step.GAP, Step.NEW_EPOCH) and not self.deliver
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +228,7 @@ class Repair(Generic[T]):
 _DELIVER = Arrival(Step.DELIVER, True)
 _DUPLICATE = Arrival(Step.DUPLICATE, False)
 _REPAIR = Arrival(Step.GAP, False)
+_REPAIR_EPOCH = Arrival(Step.NEW_EPOCH, False)
 
 
 class StreamCursor:
@@ -252,6 +260,10 @@ class StreamCursor:
 
         ``repairing``: the hole before the event has just been read from history,
         so a gap left now cannot be filled and is reported as lost instead.
+
+        A new epoch is read from history too: its first events may have been
+        published before this node heard the stream again (a Redis restart),
+        and the speakers must hear of the epoch before any of its events.
         """
         step = self.step(epoch, offset)
         if step is Step.DELIVER:
@@ -259,8 +271,11 @@ class StreamCursor:
             return _DELIVER
         if step is Step.DUPLICATE:
             return _DUPLICATE
-        if step is Step.GAP and not repairing:
-            return _REPAIR
+        if not repairing:
+            if step is Step.GAP:
+                return _REPAIR
+            if step is Step.NEW_EPOCH:
+                return _REPAIR_EPOCH
         self.advance(epoch, offset)
         return Arrival(step, True, Position(epoch, offset - 1))
 

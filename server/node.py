@@ -47,7 +47,7 @@ from server.store.base import Store, ttl_from_now
 
 log = logging.getLogger(__name__)
 
-STOP_DRAIN_SECONDS = 2.0
+WRITES_GRACE_S = 2.0
 """How long a stop waits for queued marks and lastSeen writes to reach the store."""
 
 
@@ -107,7 +107,8 @@ class Node:
         self.delivery = StreamDelivery(
             self.index, self.history, self.presence, self.bots.send_pending_turns, limit, metrics
         )
-        self.recovery = Recovery(self.history, SubscribeBatcher(bus), limit, metrics)
+        hold = self.delivery.hold  # a recovery's answer is a stream this node now holds
+        self.recovery = Recovery(self.history, SubscribeBatcher(bus), limit, metrics, hold)
         self.chat_marks = ChatMarks(store, metrics)
         self.chat = ChatService(
             store,
@@ -164,8 +165,7 @@ class Node:
         self.last_seen.start()
         stack.push_async_callback(self.chat_marks.close)
         self.chat_marks.start()
-        writes = (self.chat_marks, self.last_seen)  # what is queued gets a moment to go out
-        stack.push_async_callback(drained_within, STOP_DRAIN_SECONDS, *writes)
+        stack.push_async_callback(drained_within, WRITES_GRACE_S, self.chat_marks, self.last_seen)
         await self.presence.start(stack)
         ttl_refresh = self.registry.keep_alive(self.sessions, self.settings.ttl_refresh_seconds)
         run_until_unwound(stack, ttl_refresh, "ttl-refresh")

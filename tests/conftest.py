@@ -62,6 +62,7 @@ class RunningServer:
         *,
         secret: str | None = PUBLISH_SECRET,
         raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, Any] | str]:
         """One request to the internal HTTP listener, off the event loop."""
         import asyncio
@@ -70,6 +71,8 @@ class RunningServer:
         request = urllib.request.Request(self.http_url + path, data=data, method=method)
         if secret is not None:
             request.add_header("Authorization", f"Bearer {secret}")
+        for name, value in (headers or {}).items():
+            request.add_header(name, value)
 
         def call() -> tuple[int, dict[str, Any] | str]:
             try:

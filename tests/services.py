@@ -15,7 +15,6 @@ Environment overrides let CI bring its own services:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -27,8 +26,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
+from loadtest.harness.faults import DynamoFaultProxy as DynamoFaultProxy
 from loadtest.harness.servers import redis_ping
 
 HOST = "127.0.0.1"
@@ -265,149 +264,3 @@ def redis_url_for_tests() -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
-
-
-# ------------------------------------------------------------ DynamoDB fault proxy
-
-
-class DynamoFaultProxy:
-    """An HTTP proxy in front of a DynamoDB endpoint that injects faults on demand.
-
-    It speaks the AWS JSON protocol generically, so it also stands in front of
-    moto's SQS (``AmazonSQS.*`` targets) and DynamoDB Streams.
-
-    moto never throttles and never leaves BatchWriteItem items unprocessed, so
-    tests point a store at this proxy instead and arm it:
-
-    - ``fail_next(n, code, status)``: the next ``n`` requests get that error
-      (for example ``ThrottlingException`` with 400, ``InternalServerError``
-      with 500) without reaching the upstream.
-    - ``unprocessed_rounds = n``: the next ``n`` BatchWriteItem calls forward only
-      the first half of their items and return the rest as ``UnprocessedItems``.
-
-    ``operations`` records the DynamoDB operation name of every request seen and
-    ``batch_sizes`` the number of items of every BatchWriteItem. Like DynamoDB
-    (and unlike moto), it refuses a BatchWriteItem of more than 25 items.
-    Runs in the caller's event loop: ``await proxy.start()`` / ``await proxy.stop()``.
-    """
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream.rstrip("/")
-        self.operations: list[str] = []
-        self.batch_sizes: list[int] = []
-        self.unprocessed_rounds = 0
-        self._failures: list[tuple[str, int]] = []
-        self._operation_failures: dict[str, list[tuple[str, int]]] = {}
-        self._outage: tuple[str, int] | None = None
-        self._runner: Any = None
-        self._session: Any = None
-        self.port = 0
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def fail_next(self, count: int, code: str = "ThrottlingException", status: int = 400) -> None:
-        self._failures.extend([(code, status)] * count)
-
-    def fail_operation(
-        self, operation: str, count: int, code: str = "InternalServerError", status: int = 500
-    ) -> None:
-        """The next ``count`` requests of one operation (``DeleteMessageBatch``) fail."""
-        self._operation_failures.setdefault(operation, []).extend([(code, status)] * count)
-
-    def fail_all(self, code: str = "InternalServerError", status: int = 500) -> None:
-        """An outage: every request fails until ``recover()``; the upstream keeps its data."""
-        self._outage = (code, status)
-
-    def recover(self) -> None:
-        self._outage = None
-        self._failures.clear()
-        self._operation_failures.clear()
-
-    def count(self, operation: str) -> int:
-        return self.operations.count(operation)
-
-    async def start(self) -> None:
-        from aiohttp import ClientSession, web
-
-        self._session = ClientSession()
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        self.port = free_port()
-        site = web.TCPSite(self._runner, HOST, self.port)
-        await site.start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def _handle(self, request: Any) -> Any:
-        from aiohttp import web
-
-        target = request.headers.get("X-Amz-Target", "")
-        operation = target.rpartition(".")[2]
-        self.operations.append(operation)
-        body = await request.read()
-
-        def error(code: str, status: int, message: str) -> Any:
-            payload = {"__type": f"com.amazonaws.dynamodb.v20120810#{code}", "message": message}
-            return web.Response(
-                status=status,
-                body=json.dumps(payload).encode(),
-                content_type="application/x-amz-json-1.0",
-            )
-
-        if self._outage is not None:
-            code, status = self._outage
-            return error(code, status, f"injected outage: {code}")
-        if self._failures:
-            code, status = self._failures.pop(0)
-            return error(code, status, f"injected {code}")
-        if self._operation_failures.get(operation):
-            code, status = self._operation_failures[operation].pop(0)
-            return error(code, status, f"injected {code}")
-        if operation == "BatchWriteItem":
-            size = sum(len(r) for r in json.loads(body).get("RequestItems", {}).values())
-            self.batch_sizes.append(size)
-            if size > 25:
-                return error(
-                    "ValidationException",
-                    400,
-                    "Too many items requested for the BatchWriteItem call",
-                )
-        held_back: dict[str, list[Any]] = {}
-        if operation == "BatchWriteItem" and self.unprocessed_rounds > 0:
-            self.unprocessed_rounds -= 1
-            document = json.loads(body)
-            forwarded: dict[str, list[Any]] = {}
-            for table, requests in document["RequestItems"].items():
-                half = max(1, len(requests) // 2)
-                forwarded[table] = requests[:half]
-                if requests[half:]:
-                    held_back[table] = requests[half:]
-            document["RequestItems"] = forwarded
-            body = json.dumps(document).encode()
-        headers = {
-            name: value
-            for name, value in request.headers.items()
-            if name.lower() not in ("host", "content-length", "transfer-encoding")
-        }
-        async with self._session.request(
-            request.method, self.upstream + request.path_qs, headers=headers, data=body
-        ) as upstream:
-            status = upstream.status
-            content = await upstream.read()
-            content_type = upstream.headers.get("Content-Type", "application/x-amz-json-1.0")
-        if held_back and status == 200:
-            document = json.loads(content)
-            document["UnprocessedItems"] = held_back
-            content = json.dumps(document).encode()
-        # botocore checks x-amz-crc32 when present, so it is not copied from upstream.
-        return web.Response(status=status, body=content, headers={"Content-Type": content_type})

@@ -187,3 +187,25 @@ async def test_a_slow_client_is_closed_and_delays_nobody(server: RunningServer) 
             break
         await asyncio.sleep(0.05)
     assert server.node.index.by_user.keys() == {"fast"}
+
+
+async def test_a_publish_retried_with_its_idempotency_key_is_delivered_once(
+    server: RunningServer,
+) -> None:
+    watcher = await server.subscribed("alice", games=[("chess", "g7")])
+    key = {"Idempotency-Key": "move-17"}
+    status, first = await server.publish(move("chess", "g7", n=1), headers=key)
+    assert status == 202
+    status, again = await server.publish(move("chess", "g7", n=1), headers=key)
+    assert status == 202 and again == first  # the position the event already has
+    status, other = await server.publish(move("chess", "g7", n=2))
+    assert status == 202 and isinstance(other, dict) and isinstance(first, dict)
+    assert other["positions"]["game:chess#g7"]["offset"] == 2
+    await watcher.next_message(lambda m: m["verb"] == "game" and m["payload"]["n"] == 2)
+    assert [m["offset"] for m in watcher.messages if m["verb"] == "game"] == [1, 2]
+
+
+@pytest.mark.parametrize("key", ["", "x" * 201, "tab\there"])
+async def test_a_bad_idempotency_key_is_refused(server: RunningServer, key: str) -> None:
+    status, reply = await server.publish(move("chess", "g8"), headers={"Idempotency-Key": key})
+    assert status == 400 and isinstance(reply, dict) and "Idempotency-Key" in reply["error"]

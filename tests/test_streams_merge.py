@@ -27,6 +27,7 @@ from protocol.streams import (
     answer_recovery,
     contiguous_after,
     merge_recovery,
+    unannounced,
 )
 
 EPOCH = "e1"
@@ -151,9 +152,9 @@ def test_receive_moves_the_cursor_only_to_what_it_delivers_and_reports_every_los
         step = StreamCursor(*before).step(epoch, offset)
         arrival = cursor.receive(epoch, offset, repairing=repairing)
         assert arrival.step is step
-        unfillable = step is Step.NEW_EPOCH or (step is Step.GAP and repairing)
+        unfillable = step in (Step.GAP, Step.NEW_EPOCH) and repairing
         assert arrival.deliver is (step is Step.DELIVER or unfillable)
-        assert arrival.repair is (step is Step.GAP and not repairing)
+        assert arrival.repair is (step in (Step.GAP, Step.NEW_EPOCH) and not repairing)
         assert arrival.lost == (Position(epoch, offset - 1) if unfillable else None)
         if arrival.deliver:
             assert (cursor.epoch, cursor.offset) == (epoch, offset)
@@ -177,10 +178,29 @@ def test_receive_on_plain_values() -> None:
     assert gap == Arrival(Step.GAP, False) and gap.repair
     assert (cursor.epoch, cursor.offset) == ("e1", 8)
     assert cursor.receive("e1", 11, repairing=True) == Arrival(Step.GAP, True, Position("e1", 10))
-    assert cursor.receive("e2", 3, repairing=False) == Arrival(
+    new_epoch = cursor.receive("e2", 3, repairing=False)
+    assert new_epoch == Arrival(Step.NEW_EPOCH, False) and new_epoch.repair
+    assert (cursor.epoch, cursor.offset) == ("e1", 11)
+    assert cursor.receive("e2", 3, repairing=True) == Arrival(
         Step.NEW_EPOCH, True, Position("e2", 2)
     )
     assert (cursor.epoch, cursor.offset) == ("e2", 3)
+
+
+@given(
+    st.one_of(st.none(), st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 10))),
+    st.sampled_from(["a", "b"]),
+    st.integers(1, 12),
+)
+def test_an_event_past_a_clients_position_is_announced_first(
+    last: tuple[str, int] | None, epoch: str, offset: int
+) -> None:
+    skips = unannounced(last, epoch, offset)
+    if last is None or already_sent(last, epoch, offset):
+        assert not skips
+    else:
+        # Sent now, it must continue the client's position exactly, or be announced.
+        assert skips is (last != (epoch, offset - 1))
 
 
 def window(epoch: str, top: int, size: int, after: int) -> HistoryRead[str]:

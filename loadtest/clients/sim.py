@@ -111,7 +111,8 @@ class StreamBook:
         self.got = 0
 
     def since(self) -> dict[str, dict[str, Any]]:
-        return {s: {"epoch": e, "offset": o} for s, (e, o) in self.positions.items()}
+        # -1 (told to refetch, top unknown) is "nothing of this epoch yet": offset 0.
+        return {s: {"epoch": e, "offset": max(o, 0)} for s, (e, o) in self.positions.items()}
 
 
 @dataclass(slots=True)

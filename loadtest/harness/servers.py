@@ -27,7 +27,7 @@ from loadtest.clients.http import get
 from loadtest.harness.procstat import cpu_seconds, rss_bytes, run_delay_seconds
 
 HOST = "127.0.0.1"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # loadtest/harness/servers.py
 FAKE_AWS = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -263,11 +263,12 @@ def redis_ping(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
         return False
 
 
-async def start_redis(limit: float = 15.0) -> tuple[Proc, str]:
+async def start_redis(limit: float = 15.0, port: int | None = None) -> tuple[Proc, str]:
+    """An empty ``redis-server`` without persistence; ``port`` restarts one in place."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise StartError("redis-server is not on PATH")
-    port = free_port()
+    port = free_port() if port is None else port
     argv = [binary, "--save", "", "--appendonly", "no", "--bind", HOST, "--port", str(port)]
     proc = _spawn("redis", argv, child_env(), log_dir())
     deadline = time.monotonic() + limit

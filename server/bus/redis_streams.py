@@ -9,16 +9,21 @@ them in one Redis Cluster slot:
 - ``ap:{s}:hist``: a Redis stream of the last ``history_size`` events, entry id
   ``<offset>-0`` and one field ``d`` (the envelope); expires ``history_ttl``
   after the last event.
-- ``ap:{s}:id:<event id>``: for an append that names its event, the position it
-  took (``<epoch>:<offset>``); expires ``event_id_ttl`` (15 min) after it.
+- ``ap:{s}:id:<event id>``: the position an event took (``<epoch>:<offset>``);
+  expires after its window (``server/bus/streams.py``: 24 h for names from
+  outside, 5 min for names the server made).
 
 ``APPEND`` (``lua/stream_append.lua``) creates the epoch if the meta is gone
 (a new epoch starts at offset 1 and drops any old history), takes the next
 offset with ``HINCRBY``, appends with an exact ``MAXLEN``, refreshes both ttls
 and publishes the positioned message on each channel given. Redis runs scripts one
 at a time, so positions are assigned and published in one order for everyone.
-Given an event id it first looks for the id key: if there, it returns the
-position stored in it and does nothing else; if not, it appends and sets it.
+Every append names its event (one without a name is named here, before the
+first attempt), so every resend of the script (redis-py's retry after a lost
+connection, a pipeline sent again, a command resent through a failover)
+carries the same name: the script first looks for the id key, and if it is
+there returns the position stored in it and does nothing else; if not, it
+appends and sets it.
 
 On one Redis the appends of concurrent callers go out together, one pipeline
 per round trip (:mod:`server.redis.coalesce`), still one script run per event.
@@ -47,7 +52,16 @@ from protocol.envelope import encode_positioned
 from protocol.messages import Position
 from protocol.streams import HistoryRead
 from server.bus.redis_cluster_bus import RedisClusterBus
-from server.bus.streams import DEFAULT_LIMITS, Append, HistoryAsk, StreamLimits, new_epoch
+from server.bus.streams import (
+    DEFAULT_LIMITS,
+    OWN_NAME,
+    Append,
+    HistoryAsk,
+    StreamLimits,
+    id_window,
+    new_epoch,
+    new_event_id,
+)
 from server.redis.client import make_client
 from server.redis.coalesce import ScriptCoalescer
 from server.redis.keys import channel_for
@@ -70,11 +84,8 @@ def event_id_key(stream: str, event_id: str) -> str:
     return "ap:{" + stream + "}:id:" + event_id
 
 
-def append_keys(stream: str, event_id: str | None) -> list[str]:
-    keys = [meta_key(stream), history_key(stream)]
-    if event_id is not None:
-        keys.append(event_id_key(stream, event_id))
-    return keys
+def append_keys(stream: str, event_id: str) -> list[str]:
+    return [meta_key(stream), history_key(stream), event_id_key(stream, event_id)]
 
 
 class RedisStreams:
@@ -117,7 +128,7 @@ class RedisStreams:
             await self._appends.close()
             await self._client.aclose()
 
-    def _append_args(self, data: bytes, topics: Sequence[str]) -> list[Any]:
+    def _append_args(self, data: bytes, topics: Sequence[str], event_id: str) -> list[Any]:
         limits = self._limits
         return [
             data,
@@ -125,21 +136,22 @@ class RedisStreams:
             max(1, int(limits.history_ttl)),
             max(1, int(limits.meta_ttl)),
             new_epoch(),
-            max(1, int(limits.event_id_ttl)),
+            max(1, int(id_window(limits, event_id))),
             *[channel_for(topic) for topic in topics],
         ]
 
     async def append(
         self, stream: str, data: bytes, topics: Sequence[str], event_id: str | None = None
     ) -> Position:
+        event_id = new_event_id() if event_id is None else event_id
         keys = append_keys(stream, event_id)
         if self._pipes is None:
-            (reply,) = await self._appends.run([(keys, self._append_args(data, topics))])
+            (reply,) = await self._appends.run([(keys, self._append_args(data, topics, event_id))])
             return _position(reply)
-        return await self._append_on_shard(self._pipes, keys, data, topics)
+        return await self._append_on_shard(self._pipes, keys, data, topics, event_id)
 
     async def _append_on_shard(
-        self, pipes: ShardPipes, keys: list[str], data: bytes, topics: Sequence[str]
+        self, pipes: ShardPipes, keys: list[str], data: bytes, topics: Sequence[str], event_id: str
     ) -> Position:
         slot = key_slot(keys[0].encode())
         here: list[str] = []
@@ -151,13 +163,16 @@ class RedisStreams:
                 here.append(topic)
             else:
                 elsewhere.append((channel_slot, channel))
-        args = self._append_args(data, here)
+        args = self._append_args(data, here, event_id)
         deadline = time.monotonic() + self._failover_deadline
         reply = await pipes.script(slot, self._shard_append, keys, args, deadline)
         position = _position(reply)
-        if elsewhere and len(reply) == 2:  # a repeated event id published nothing
+        if elsewhere and (len(reply) == 2 or event_id.startswith(OWN_NAME)):
             # Nothing awaited since the reply: replies come in offset order, so
-            # the publishes are queued in offset order too.
+            # the publishes are queued in offset order too. A repeat of a name
+            # from outside was published by its first caller; a repeat of one
+            # made here is this call's own resend, whose first reply was lost
+            # before its publish could go out.
             message = encode_positioned(position.epoch, position.offset, data)
             for channel_slot, channel in elsewhere:
                 pipes.publish_in_order(channel_slot, channel, message, self._failover_deadline)
@@ -180,12 +195,12 @@ class RedisStreams:
 
             await asyncio.gather(*(in_order(indexes) for indexes in by_stream.values()))
             return [positions[index] for index in range(len(items))]
-        replies = await self._appends.run(
-            [
-                (append_keys(item.stream, item.event_id), self._append_args(item.data, item.topics))
-                for item in items
-            ]
-        )
+        calls = []
+        for item in items:
+            event_id = new_event_id() if item.event_id is None else item.event_id
+            keys = append_keys(item.stream, event_id)
+            calls.append((keys, self._append_args(item.data, item.topics, event_id)))
+        replies = await self._appends.run(calls)
         return [_position(reply) for reply in replies]
 
     def _read_args(self, after: int) -> list[Any]:

@@ -18,12 +18,31 @@ Limits (``Settings``): ``history_size`` events per stream, kept
 ``stream_meta_ttl`` seconds after the last event, so a client away longer than
 the history still learns that it must refetch.
 
-Idempotent append: an append may name its event (``event_id``: an SQS
-MessageId, a notification row's key). An id already appended to that stream
-within ``event_id_ttl`` (15 minutes) gets back the position it took then, and
-nothing is kept or published again. This makes a retried append harmless: a
-consumer that died between publishing and recording it, or a client library
-that resent a script after a dropped connection.
+Every append is idempotent: each event has a name (``event_id``). A name
+already appended to that stream within its window gets back the position it
+took then, and nothing is kept or published again. So a retried append is
+harmless: a consumer that died between publishing and recording it, a client
+library that resent a pipeline after a dropped connection, a command resent
+through a Redis Cluster failover.
+
+Each name is remembered as long as something could bring its event back
+(:func:`id_window`), and no longer (it costs Redis about 150-200 bytes):
+
+- a name the server made (:func:`new_event_id`, for an event that arrived
+  without one, at the ingress or here for any caller that gave none) can only
+  come back through our own retries: ``resend_id_ttl``, 5 minutes, far past
+  the longest of them (a Redis Cluster command resent until the failover
+  deadline, 10 s, after a stall of 5 s; redis-py's one retry after a 5 s
+  socket timeout) and past the retransmissions of a socket closed while its
+  bytes were held in a network blackhole (Linux gives an orphaned socket
+  about 100 s);
+- a notification's name (``notif:<sk>``) as long as the push's own dedup
+  (``ap:notif:``, 24 hours, the table stream's retention): a record whose
+  push died before it was marked done can be read again that late;
+- any other name from outside (an SQS MessageId, a publisher's
+  ``Idempotency-Key``, a chat comment's key): ``event_id_ttl``, 15 minutes,
+  the queue bridge's dedup window, far past any redelivery (a claim lasts
+  twice the visibility timeout).
 """
 
 from __future__ import annotations
@@ -50,7 +69,8 @@ class Append(NamedTuple):
     topics: Sequence[str]
     """The bus topics to publish it on, positioned."""
     event_id: str | None = None
-    """Names the event: appended to this stream once within ``event_id_ttl``."""
+    """Names the event: appended to this stream once within its window
+    (:func:`id_window`); None gets a name of its own before the first attempt."""
 
 
 HistoryAsk = tuple[str, int]
@@ -71,11 +91,35 @@ class StreamLimits:
     history_ttl: float = 900.0
     meta_ttl: float = 24 * 3600.0
     event_id_ttl: float = 900.0
-    """How long an appended event id is remembered: longer than any redelivery
-    (SQS's visibility timeout, a dedup claim) that could bring the event back."""
+    """How long a name from outside is remembered (the queue bridge's dedup)."""
+    notification_id_ttl: float = 24 * 3600.0
+    """How long a notification's name is (the notification push's dedup)."""
+    resend_id_ttl: float = 300.0
+    """How long a name the server made is: past its own retries."""
 
 
 DEFAULT_LIMITS = StreamLimits()
+OWN_NAME = "~"
+"""The first character of a name the server made (:func:`new_event_id`); names
+from outside never start with it (each ingress prefixes or validates them)."""
+NOTIFICATION_NAME = "notif:"
+"""The prefix of a notification's name."""
+
+
+def new_event_id() -> str:
+    """A name for an event that arrived without one: unique, cheap, not a secret."""
+    return f"{OWN_NAME}{random.getrandbits(96):024x}"
+
+
+def id_window(limits: StreamLimits, event_id: str) -> float:
+    """Seconds an appended ``event_id`` is remembered (module docstring)."""
+    if event_id.startswith(OWN_NAME):
+        return limits.resend_id_ttl
+    if event_id.startswith(NOTIFICATION_NAME):
+        return limits.notification_id_ttl
+    return limits.event_id_ttl
+
+
 SWEEP_EVERY = 4096
 """Appends between two sweeps of idle memory streams."""
 
@@ -91,8 +135,8 @@ class Streams(Protocol):
         """Give ``data`` the next position of ``stream``, keep it in the history,
         and publish it positioned on each of ``topics``: one atomic step.
 
-        With ``event_id`` seen on ``stream`` within ``event_id_ttl``: only return
-        the position it took then."""
+        With ``event_id`` seen on ``stream`` within its window: only return
+        the position it took then. Without one, the event is named first."""
 
     async def append_many(self, items: Sequence[Append]) -> list[Position]:
         """``append`` for each item, in order (pipelined where it can be)."""
@@ -135,7 +179,11 @@ class MemoryStreams:
         self._streams: dict[str, _MemoryStream] = bus.hub.streams
         # (stream, event id) -> (its position, forgotten at): shared on the hub
         # like the streams, as the id keys in Redis are by every node.
-        self._event_ids: dict[tuple[str, str], tuple[Position, float]] = bus.hub.event_ids
+        # window -> (stream, event id) -> (its position, forgotten at): one
+        # dict per window, so that insertion order is expiry order in each.
+        self._event_ids: dict[float, dict[tuple[str, str], tuple[Position, float]]] = (
+            bus.hub.event_ids
+        )
         self._appends = 0
 
     async def start(self) -> None:
@@ -166,9 +214,12 @@ class MemoryStreams:
         self._appends += 1
         if self._appends % SWEEP_EVERY == 0:
             self._sweep(now)
-        if event_id is not None:
+        window = 0.0
+        if event_id is not None and not event_id.startswith(OWN_NAME):
+            # In one process nothing is resent: only names from outside come back.
+            window = id_window(self._limits, event_id)
             self._forget_event_ids(now)
-            seen = self._event_ids.get((stream, event_id))
+            seen = self._event_ids.get(window, {}).get((stream, event_id))
             if seen is not None:
                 return seen[0]
         state = self._stream(stream, now)
@@ -182,18 +233,18 @@ class MemoryStreams:
         for topic in topics:
             self._bus.publish_now(topic, message)
         position = Position(state.epoch, state.top)
-        if event_id is not None:
-            self._event_ids[stream, event_id] = (position, now + self._limits.event_id_ttl)
+        if event_id is not None and window:
+            ids = self._event_ids.setdefault(window, {})
+            ids[stream, event_id] = (position, now + window)
         return position
 
     def _forget_event_ids(self, now: float) -> None:
-        # One ttl for all and a monotonic clock: insertion order is expiry order.
-        ids = self._event_ids
-        while ids:
-            key = next(iter(ids))
-            if ids[key][1] > now:
-                return
-            del ids[key]
+        for ids in self._event_ids.values():
+            while ids:
+                key = next(iter(ids))
+                if ids[key][1] > now:
+                    break
+                del ids[key]
 
     async def append_many(self, items: Sequence[Append]) -> list[Position]:
         return [self._append(*item) for item in items]

@@ -2,6 +2,11 @@
 
 It listens apart from the public WebSocket port so that a load balancer
 exposes only the latter; the backend and operators reach this one.
+
+Every published event is named before its first attempt: by the publisher's
+``Idempotency-Key`` header (a retry of the same request, even after a 503 or
+a lost answer, is appended once and answered with the first positions), or
+else by a name made here, which every internal retry reuses.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from aiohttp import web
 from protocol.errors import ProtocolError
 from protocol.messages import AdminTest, Broadcast, Position
 from protocol.parse import parse_broadcast
+from server.bus.streams import new_event_id
 from server.config import Settings
 from server.ingress import status
 from server.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -23,6 +29,19 @@ from server.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 log = logging.getLogger(__name__)
 
 MAX_PUBLISH_BYTES = 128 * 1024  # today's API Gateway message limit
+MAX_IDEMPOTENCY_KEY = 200
+IDEMPOTENCY_PREFIX = "http:"
+"""Names from publishers live apart from the bridges' and the server's own."""
+
+
+def event_name(request: web.Request) -> str | None:
+    """The event's name: the publisher's key, or a new one. None: a bad key."""
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        return new_event_id()
+    if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY or not key.isprintable():
+        return None
+    return IDEMPOTENCY_PREFIX + key
 
 
 class HttpHub(status.StatusSource, Protocol):
@@ -31,7 +50,9 @@ class HttpHub(status.StatusSource, Protocol):
     @property
     def node_id(self) -> str: ...
 
-    async def publish(self, message: Broadcast) -> dict[str, Position]: ...
+    async def publish(
+        self, message: Broadcast, *, event_id: str | None = None
+    ) -> dict[str, Position]: ...
 
     def readiness(self) -> dict[str, bool]: ...
 
@@ -72,8 +93,14 @@ def build_app(node: HttpHub, settings: Settings) -> web.Application:
             message = parse_broadcast(body)
         except ProtocolError as exc:
             return _json(400, {"error": exc.message, "code": exc.code})
+        event_id = event_name(request)
+        if event_id is None:
+            return _json(
+                400,
+                {"error": f"Idempotency-Key: 1 to {MAX_IDEMPOTENCY_KEY} printable characters"},
+            )
         try:
-            positions = await node.publish(message)
+            positions = await node.publish(message, event_id=event_id)
         except Exception as exc:
             log.warning("publish failed: %s", exc)
             return _json(503, {"error": "the bus could not take the event"})

@@ -38,6 +38,7 @@ from boto3.dynamodb.types import TypeDeserializer
 
 from protocol.errors import ProtocolError
 from protocol.parse import parse_broadcast
+from server.bus.streams import NOTIFICATION_NAME
 from server.coordination.dedup import Claim, Dedup
 from server.coordination.lease import Lease
 from server.ingress.table_stream import Record, TableStreamReader
@@ -201,5 +202,7 @@ class NotificationPush:
                 reason,
             )
             return
-        await self._publish_event(message, require_cluster=True, event_id=notification.sk)
+        # Named as long as the dedup above remembers the record (24 h).
+        name = NOTIFICATION_NAME + notification.sk
+        await self._publish_event(message, require_cluster=True, event_id=name)
         self._counts.pushed.inc()

@@ -373,7 +373,8 @@ class PresenceWriter:
     async def _reserve_next_seq(self) -> None:
         committed = self._committed
         if committed is not None and committed.seq + 1 > self._reserved:
-            self._reserved = max(self._reserved, await self._store.next_presence_seq())
+            reserved = await self._store.reserve_presence_seq(committed.seq + 1)
+            self._reserved = max(self._reserved, reserved)
 
     async def flush(self) -> None:
         committed = self._committed
@@ -398,7 +399,7 @@ class PresenceWriter:
             if seq > self._reserved:
                 # wsMeta is written before the commit, so it never falls behind
                 # a seq that a client has seen. It is normally seq itself.
-                self._reserved = await self._store.next_presence_seq()
+                self._reserved = await self._store.reserve_presence_seq(seq)
                 seq = max(seq, self._reserved)
             delta = delta_of(seq, committed.users, changes)
             if not await self._backend.commit(delta, changes):

@@ -12,9 +12,10 @@ event, which capped a node well below what Redis takes. A
 - **Atomicity.** Each call is still one script run; a pipeline is not a
   transaction, nor does it need to be.
 - **Failures.** A call's error goes to its own caller; a lost connection fails
-  every call of that pipeline (some may have run: appends with an event id are
-  safe to retry). ``NOSCRIPT`` means the script did not run, so those calls are
-  sent again after ``SCRIPT LOAD``.
+  every call of that pipeline (some may have run: every append names its
+  event, so one resent, here or by redis-py's retry, runs once). ``NOSCRIPT``
+  means the script did not run, so those calls are sent again after
+  ``SCRIPT LOAD``.
 """
 
 from __future__ import annotations

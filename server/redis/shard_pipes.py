@@ -21,6 +21,10 @@ Errors are handled the way ``RedisCluster`` would, explicitly:
 
 A command whose connection died after it was written may have run; it is
 resent like the one ``RedisCluster`` (and ``through_failover``) would resend.
+That is safe for what goes through here: a stream append carries its event's
+name, and a repeat returns the position the first run took
+(``server/bus/redis_streams.py``); a ``SPUBLISH`` resent reaches nodes that
+drop what they already hold by its position.
 """
 
 from __future__ import annotations

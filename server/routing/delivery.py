@@ -42,6 +42,7 @@ from protocol.streams import (
     already_sent,
     game_stream,
     stream_user,
+    unannounced,
 )
 from server.bus.topics import ALL_GAMES, PRESENCE, PRESENCE_HINTS, game_topic
 from server.routing.history_reads import HistoryReads
@@ -151,11 +152,28 @@ class StreamDelivery:
 
     def check_streams(self) -> None:
         """The bus reconnected: events of any held stream may have been lost
-        meanwhile, so compare each cursor with its stream's top and repair."""
+        meanwhile (or Redis restarted without its data), so compare each cursor
+        with its stream's history and repair."""
         for stream in list(self.cursors):
-            if stream not in self._repairing:
-                self._repairing[stream] = []
-                self._spawn(self._repair(stream), f"check {stream}")
+            self._check(stream)
+
+    def hold(self, stream: str, epoch: str, top: int) -> None:
+        """A recovery told a tab here that ``stream`` is at ``(epoch, top)``. The
+        node tracks the stream from there like one it delivered live, so that a
+        later reconnect checks it and a new epoch or a hole is announced to the
+        tab, never passed on in silence. History ahead of the cursor means this
+        node missed events: they are read now."""
+        cursor = self.cursors.get(stream)
+        if cursor is None:
+            if self._index.holds(stream):
+                self.cursors[stream] = StreamCursor(epoch, top)
+        elif cursor.epoch != epoch or cursor.offset < top:
+            self._check(stream)
+
+    def _check(self, stream: str) -> None:
+        if stream not in self._repairing:
+            self._repairing[stream] = []
+            self._spawn(self._repair(stream), f"check {stream}")
 
     def _route_admin(self, message: Broadcast) -> None:
         recipients: list[Session] = [s for s in self._index.sessions if s.subscribed]
@@ -220,10 +238,10 @@ class StreamDelivery:
         cursor = self.cursors.get(stream)
         history: HistoryRead[Broadcast] | None = None
         if cursor is not None:
-            try:
-                history = await self._history.read(stream, cursor.offset)
-            except Exception as exc:
-                log.warning("history of %s unreadable, its watchers must refetch: %s", stream, exc)
+            history = await self._history.read_patiently(stream, cursor.offset)
+            if history is not None and history.epoch != cursor.epoch and cursor.offset > 0:
+                # A new epoch: its events from the first one, not past the old top.
+                history = await self._history.read_patiently(stream, 0)
         pending = self._repairing.pop(stream, [])
         cursor = self.cursors.get(stream)
         if cursor is None:
@@ -264,8 +282,13 @@ class StreamDelivery:
                 continue
             positions = session.positions
             assert positions is not None
-            if already_sent(positions.get(stream), epoch, offset):
+            last = positions.get(stream)
+            if already_sent(last, epoch, offset):
                 continue  # sent by its replay
+            if unannounced(last, epoch, offset):
+                # Never past what this tab was told without notice (its position
+                # came from somewhere this node's cursor did not see).
+                self._tell_lost(session, stream, Frame(Recovered(stream, False, epoch, offset - 1)))
             positions[stream] = (epoch, offset)
             (skips if session.user_id in exclude else sends).append(session)
         if sends:
@@ -275,17 +298,20 @@ class StreamDelivery:
 
     def _lost(self, stream: str, epoch: str, top: int) -> None:
         """This node cannot prove continuity on ``stream``: its speakers must refetch."""
-        self._counts.stream_losses.inc()
         frame = Frame(Recovered(stream, False, epoch, top))
         for session in self._index.speakers.get(stream, ()):
             if stream in session.recovering:
                 continue  # its own recovery sees the same hole in its buffer
             assert session.positions is not None
             session.positions[stream] = (epoch, top)
-            session.send(frame, self._outbox_limit)
-            if session.is_bot and stream_user(stream) is not None:
-                # Turns may be among what was lost: the bot gets its list afresh.
-                self._spawn(self._after_loss(session), "pendingTurns")
+            self._tell_lost(session, stream, frame)
+
+    def _tell_lost(self, session: Session, stream: str, frame: Frame) -> None:
+        self._counts.stream_losses.inc()
+        session.send(frame, self._outbox_limit)
+        if session.is_bot and stream_user(stream) is not None:
+            # Turns may be among what was lost: the bot gets its list afresh.
+            self._spawn(self._after_loss(session), "pendingTurns")
 
 
 def _not_excluded(sessions: Collection[Session], exclude: frozenset[str]) -> Collection[Session]:

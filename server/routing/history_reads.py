@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -36,6 +38,11 @@ one pool connection, leaving the rest for publishes and presence."""
 DECODED_CACHE = 16384
 """Decoded events kept, least recently used out: a storm reads the same streams
 again and again, and an event's bytes at one position never change."""
+PATIENCE_S = 30.0
+"""How long a recovery or a repair tries its history read again while Redis is
+away: past a restart or a failover (seconds), short of leaving a tab waiting."""
+
+log = logging.getLogger(__name__)
 
 DecodedRead = HistoryRead[Broadcast]
 
@@ -55,6 +62,9 @@ class HistoryReads:
         )
         self._reads = registry.counter(
             "ap_stream_history_reads_total", "Stream histories read (after sharing within a batch)"
+        )
+        self._patient_retries = registry.counter(
+            "ap_stream_history_retries_total", "History reads tried again because Redis was away"
         )
         self._streams = streams
         self._batch_size = batch_size
@@ -77,6 +87,25 @@ class HistoryReads:
                 asyncio.get_running_loop().call_soon(self._send)
         # Shielded: one asker going away must not cancel the read for the others.
         return await asyncio.shield(future)
+
+    async def read_patiently(
+        self, stream: str, after: int, within: float = PATIENCE_S
+    ) -> DecodedRead | None:
+        """``read``, tried again while Redis is away (a restart, a failover, a
+        blackhole) for up to ``within`` seconds: an answer built without the
+        history could only guess the stream's epoch and top. None if it never came."""
+        deadline = time.monotonic() + within
+        delay = 0.05
+        while True:
+            try:
+                return await self.read(stream, after)
+            except Exception as exc:
+                if time.monotonic() + delay > deadline:
+                    log.warning("history of %s unreadable for %gs: %s", stream, within, exc)
+                    return None
+                self._patient_retries.inc()
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     @property
     def queued(self) -> int:

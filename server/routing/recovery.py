@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from protocol.codec import Frame
 from protocol.errors import ErrorCode
@@ -49,6 +49,11 @@ out, for other clients recovering the same events: a storm over 1,000 games
 with 10 missed events each replays 10,000 distinct frames (about 1 KB each)."""
 
 
+Held = Callable[[str, str, int], None]
+"""Told each stream's answer ``(stream, epoch, top)``: the node tracks the
+stream from there (``StreamDelivery.hold``)."""
+
+
 class Recovery:
     def __init__(
         self,
@@ -56,6 +61,7 @@ class Recovery:
         subscribes: SubscribeBatcher,
         outbox_limit: int,
         metrics: Registry,
+        held: Held = lambda stream, epoch, top: None,
     ) -> None:
         self._recoveries = metrics.counter(
             "ap_stream_recoveries_total", "Client recoveries answered"
@@ -64,6 +70,7 @@ class Recovery:
             "ap_stream_recoveries_failed_total", "Client recoveries answered with recovered:false"
         )
         self._history = history
+        self._held = held
         # Every subscribe a recovery waits for goes out in batches, so a storm's are a few calls.
         self._subscribes = subscribes
         self._outbox_limit = outbox_limit
@@ -105,10 +112,17 @@ class Recovery:
             log.warning("subscribe before recovery failed: %s", exc)
         if not wanted:
             return
-        reads = await asyncio.gather(
+        reads: Sequence[HistoryRead[Broadcast] | BaseException | None] = await asyncio.gather(
             *(self._history.read(stream, position.offset) for stream, position in wanted),
             return_exceptions=True,
         )
+        if any(isinstance(read, Exception) for read in reads):
+            # Redis away (a restart, a failover): an answer now could only guess
+            # the epoch and top. The tab's live events keep buffering meanwhile.
+            reads = list(reads)
+            for index, (stream, position) in enumerate(wanted):
+                if isinstance(reads[index], Exception):
+                    reads[index] = await self._history.read_patiently(stream, position.offset)
         # Every stream's answer in one write: one system call per client, not per event.
         # Nothing is awaited until it is written, so no live event comes between.
         out: list[Frame] = []
@@ -124,18 +138,19 @@ class Recovery:
         session: Session,
         stream: str,
         since: Position,
-        history: HistoryRead[Broadcast] | BaseException,
+        history: HistoryRead[Broadcast] | BaseException | None,
         buffered: list[tuple[str, int, Broadcast]],
         out: list[Frame],
     ) -> None:
         self._recoveries.inc()
         positions = session.positions
         assert positions is not None
-        if isinstance(history, BaseException):
+        if isinstance(history, BaseException) or history is None:
             log.warning("history of %s unreadable during recovery: %s", stream, history)
             answer = answer_recovery(since, None, buffered)
         else:
             answer = answer_recovery(since, history, buffered)
+            self._held(stream, answer.epoch, answer.offset)
         epoch, offset = answer.epoch, answer.offset
         for event_offset, message in answer.replay:
             self._send_one(session, stream, epoch, event_offset, message, out)

@@ -154,9 +154,13 @@ class ChatService:
             "payload": {**ref, **comment.to_plain(), "clientMsgId": action.client_msg_id},
         }
         game = {"verb": "game", "payload": ref, "exclude": [comment.user_id]}
+        # Named by the comment: each is appended once, however often it is sent.
+        name = f"chat:{action.key}:{comment_key(comment.user_id, action.client_msg_id)}"
         for body in (chat, game):
             try:
-                await self._publish(parse_broadcast(json.dumps(body)))
+                await self._publish(
+                    parse_broadcast(json.dumps(body)), event_id=f"{name}:{body['verb']}"
+                )
             except Exception as exc:  # the comment is stored: clients see it on refetch
                 log.warning("could not publish %s for %s: %s", body["verb"], action.key, exc)
 

@@ -132,8 +132,12 @@ class Store(Protocol):
     async def delete_endpoint_connections(self, endpoint: str) -> int:
         """Delete every row whose ``endpoint`` is this node's; returns how many."""
 
-    async def next_presence_seq(self) -> int:
-        """Atomically add 1 to ``wsMeta/presenceSeq`` and return the new value."""
+    async def reserve_presence_seq(self, seq: int) -> int:
+        """Raise ``wsMeta/presenceSeq`` to ``seq`` unless it is there or beyond,
+        and return the value it holds then (``seq`` or more).
+
+        Idempotent: a retry of a call that applied (a read timeout) changes
+        nothing and answers the same, so the presence seq cannot skip."""
 
     async def current_presence_seq(self) -> int:
         """The ``wsMeta/presenceSeq`` value, 0 when never written."""

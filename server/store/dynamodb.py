@@ -488,22 +488,29 @@ class DynamoStore(GameRecordsMixin):
 
     # ------------------------------------------------------------ presence counter
 
-    async def next_presence_seq(self) -> int:
-        response = await self._call(
-            "update_item",
-            TableName=self.table,
-            Key=keys.presence_seq_key(),
-            UpdateExpression="ADD #seq :one",
-            ExpressionAttributeNames={"#seq": keys.SEQ},
-            ExpressionAttributeValues={":one": keys.number(1)},
-            ReturnValues="UPDATED_NEW",
-        )
-        seq = keys.parse_int(response.get("Attributes", {}).get(keys.SEQ))
-        if seq is None:
-            raise StoreUnavailable(
-                f"DynamoDB update_item on {keys.META_PK}/{keys.PRESENCE_SEQ_SK} in table "
-                f"{self.table!r} returned no seq: {response.get('Attributes')!r}"
+    async def reserve_presence_seq(self, seq: int) -> int:
+        # A conditional SET, not ADD: a retry of a write that applied (a read
+        # timeout, a lost answer) finds the condition false and changes nothing,
+        # where ADD would add twice and the writer would skip a number.
+        try:
+            await self._call(
+                "update_item",
+                passthrough=frozenset({"ConditionalCheckFailedException"}),
+                TableName=self.table,
+                Key=keys.presence_seq_key(),
+                UpdateExpression="SET #seq = :seq",
+                ConditionExpression="attribute_not_exists(#seq) OR #seq < :seq",
+                ExpressionAttributeNames={"#seq": keys.SEQ},
+                ExpressionAttributeValues={":seq": keys.number(seq)},
             )
+        except ClientError:  # already there or beyond: the value it holds
+            held = await self.current_presence_seq()
+            if held < seq:
+                raise StoreUnavailable(
+                    f"DynamoDB {keys.META_PK}/{keys.PRESENCE_SEQ_SK} in table {self.table!r} "
+                    f"refused seq {seq} but holds {held}"
+                ) from None
+            return held
         return seq
 
     async def current_presence_seq(self) -> int:

@@ -98,8 +98,8 @@ class MemoryStore:
             del self._connections[connection_id]
         return len(doomed)
 
-    async def next_presence_seq(self) -> int:
-        self._presence_seq += 1
+    async def reserve_presence_seq(self, seq: int) -> int:
+        self._presence_seq = max(self._presence_seq, seq)
         return self._presence_seq
 
     async def current_presence_seq(self) -> int:

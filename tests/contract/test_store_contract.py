@@ -269,24 +269,30 @@ async def test_delete_endpoint_connections_includes_expired_rows(store: Store) -
 # ------------------------------------------------------------- presence seq
 
 
-async def test_presence_seq_counts_from_one(store: Store) -> None:
+async def test_presence_seq_is_reserved_up_to_a_number(store: Store) -> None:
     assert await store.current_presence_seq() == 0
-    assert [await store.next_presence_seq() for _ in range(3)] == [1, 2, 3]
+    assert [await store.reserve_presence_seq(n) for n in (1, 2, 3)] == [1, 2, 3]
     assert await store.current_presence_seq() == 3
     assert await store.current_presence_seq() == 3  # reading does not advance it
 
 
-async def test_concurrent_presence_seq_values_are_distinct_and_consecutive(
-    store: Store,
-) -> None:
-    start = await store.next_presence_seq()
-    values = await asyncio.gather(*(store.next_presence_seq() for _ in range(20)))
-    assert sorted(values) == list(range(start + 1, start + 21))
-    assert await store.current_presence_seq() == start + 20
+async def test_reserving_a_number_again_changes_nothing(store: Store) -> None:
+    """What makes a retry harmless: the same call twice answers the same."""
+    assert await store.reserve_presence_seq(5) == 5
+    assert await store.reserve_presence_seq(5) == 5
+    assert await store.current_presence_seq() == 5
+
+
+async def test_the_presence_seq_never_goes_down(store: Store) -> None:
+    assert await store.reserve_presence_seq(7) == 7
+    assert await store.reserve_presence_seq(4) == 7  # a number taken and not committed
+    values = await asyncio.gather(*(store.reserve_presence_seq(n) for n in range(1, 12)))
+    assert max(values) == 11 and all(v >= n for v, n in zip(values, range(1, 12), strict=True))
+    assert await store.current_presence_seq() == 11
 
 
 async def test_presence_seq_is_independent_of_connection_rows(store: Store) -> None:
-    await store.next_presence_seq()
+    await store.reserve_presence_seq(1)
     await store.write_connections([record(f"c{i}") for i in range(3)], [])
     assert await store.delete_endpoint_connections("node-a") == 3
     assert await store.list_connections() == []

@@ -252,7 +252,7 @@ async def test_an_event_id_is_forgotten_after_its_ttl(new_pair: PairFactory, str
 
 async def test_memory_streams_forget_event_ids_after_their_ttl() -> None:
     now = [0.0]
-    streams = MemoryStreams(MemoryBus(), StreamLimits(), clock=lambda: now[0])
+    streams = MemoryStreams(MemoryBus(), StreamLimits(event_id_ttl=900), clock=lambda: now[0])
     first = await streams.append("game:m#g", b"e1", (), "msg-1")
     now[0] = 899.0
     assert await streams.append("game:m#g", b"e1", (), "msg-1") == first

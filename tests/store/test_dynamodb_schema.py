@@ -141,8 +141,8 @@ async def test_updates_of_missing_rows_write_nothing(
 
 
 async def test_presence_seq_row_is_a_number(store: DynamoStore, raw: Any, table: str) -> None:
-    assert await store.next_presence_seq() == 1
-    assert await store.next_presence_seq() == 2
+    assert await store.reserve_presence_seq(1) == 1
+    assert await store.reserve_presence_seq(2) == 2
     row = raw.get_item(
         TableName=table,
         Key={"pk": {"S": "wsMeta"}, "sk": {"S": "presenceSeq"}},
@@ -352,10 +352,23 @@ async def test_throttled_requests_are_retried_and_counted(
 
 async def test_server_errors_are_retried(proxied: DynamoStore, proxy: DynamoFaultProxy) -> None:
     proxy.fail_next(1, "InternalServerError", status=500)
-    assert await proxied.next_presence_seq() == 1
+    assert await proxied.reserve_presence_seq(1) == 1
     proxy.fail_next(1, "ThrottlingException")
-    assert await proxied.next_presence_seq() == 2
+    assert await proxied.reserve_presence_seq(2) == 2
     assert proxy.count("UpdateItem") == 4
+
+
+async def test_a_reserve_retried_after_its_answer_was_lost_does_not_skip(
+    proxied: DynamoStore, proxy: DynamoFaultProxy
+) -> None:
+    """The write applies, its answer never comes back, the store retries: the
+    seq is where the first attempt put it (``ADD seq 1`` made it 2)."""
+    assert await proxied.reserve_presence_seq(1) == 1
+    proxy.drop_response("UpdateItem")
+    assert await proxied.reserve_presence_seq(2) == 2
+    assert proxy.injected.get("dropped") == 1 and proxy.count("UpdateItem") >= 3
+    assert await proxied.current_presence_seq() == 2
+    assert await proxied.reserve_presence_seq(3) == 3
 
 
 async def test_persistent_throttling_gives_up_with_store_unavailable(

@@ -1,7 +1,7 @@
 -- Assign the next position of a stream, keep the event in its history, publish it.
 -- KEYS: meta, history, and the event id's key if the append names its event.
 -- ARGV: envelope, history size, history ttl s, meta ttl s, epoch to use if the
--- stream has none, event id ttl s, then the channels to publish on.
+-- stream has none, the event id's window s, then the channels to publish on.
 -- Returns {epoch, offset}, and a third element, 1, if the event id was a repeat.
 if KEYS[3] then
   local seen = redis.call('GET', KEYS[3])

@@ -1,0 +1,173 @@
+"""Every append is idempotent: a script resent after its connection was cut
+(it ran, its caller never heard) is appended once, on one Redis and on a Redis
+Cluster, with the position of the first run.
+
+The cut comes from :class:`~loadtest.harness.faults.TcpFaultProxy`: it lets the
+``EVALSHA`` reach Redis, then resets the client's connection before the reply.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as ClusterClient
+from redis.crc import key_slot
+
+from loadtest.harness.faults import TcpFaultProxy
+from loadtest.harness.redis_cluster import RedisCluster
+from loadtest.harness.servers import HOST
+from server.bus.redis_streams import RedisStreams, event_id_key, history_key
+from server.bus.streams import DEFAULT_LIMITS, NOTIFICATION_NAME, OWN_NAME, Append, new_event_id
+from server.redis.shard_pipes import ShardPipes
+from tests.services import RedisServer, start_redis_server
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = start_redis_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def proxy(redis_server: RedisServer) -> AsyncIterator[TcpFaultProxy]:
+    made = TcpFaultProxy(redis_server.port)
+    await made.start()
+    try:
+        yield made
+    finally:
+        await made.stop()
+
+
+async def history_of(url: str, stream: str) -> list[tuple[bytes, bytes]]:
+    client = aioredis.Redis.from_url(url)
+    try:
+        entries: Any = await client.xrange(history_key(stream))
+    finally:
+        await client.aclose()
+    return [(bytes(entry_id), bytes(fields[b"d"])) for entry_id, fields in entries]
+
+
+async def test_an_append_resent_after_a_cut_is_appended_once(
+    redis_server: RedisServer, proxy: TcpFaultProxy
+) -> None:
+    streams = RedisStreams(proxy.url)
+    stream = f"game:chess#{uuid.uuid4().hex[:8]}"
+    try:
+        await streams.start()
+        first = await streams.append(stream, b"one", (stream,))
+        proxy.cut_after(b"EVALSHA")
+        second = await streams.append(stream, b"two", (stream,))  # no name given
+        assert proxy.cuts_after_write == 1
+        third = await streams.append(stream, b"three", (stream,))
+    finally:
+        await streams.close()
+    assert [first.offset, second.offset, third.offset] == [1, 2, 3]
+    assert await history_of(redis_server.url, stream) == [
+        (b"1-0", b"one"),
+        (b"2-0", b"two"),
+        (b"3-0", b"three"),
+    ]
+
+
+async def test_a_pipeline_resent_after_a_cut_appends_each_event_once(
+    redis_server: RedisServer, proxy: TcpFaultProxy
+) -> None:
+    streams = RedisStreams(proxy.url)
+    stream = f"game:go#{uuid.uuid4().hex[:8]}"
+    try:
+        await streams.start()
+        await streams.append(stream, b"warm", (stream,))  # the script is loaded
+        proxy.cut_after(b"EVALSHA")
+        items = [Append(stream, b"e%d" % i, (stream,)) for i in range(5)]
+        positions = await streams.append_many(items)
+        assert proxy.cuts_after_write == 1
+    finally:
+        await streams.close()
+    assert [p.offset for p in positions] == [2, 3, 4, 5, 6]
+    data = [d for _, d in await history_of(redis_server.url, stream)]
+    assert data == [b"warm", b"e0", b"e1", b"e2", b"e3", b"e4"]
+
+
+async def test_a_cluster_append_resent_by_the_shard_pipes_is_appended_once(
+    shared_redis_cluster: RedisCluster,
+) -> None:
+    """The shard's connection dies after the script was written: ShardPipes
+    re-reads the slot map and resends, as through a failover."""
+    redis = shared_redis_cluster
+    redis.wait_ok()
+    proxies: dict[int, TcpFaultProxy] = {}
+    for instance in redis.instances:
+        proxies[instance.port] = TcpFaultProxy(instance.port)
+        await proxies[instance.port].start()
+
+    def through_proxy(address: tuple[str, int]) -> tuple[str, int]:
+        made = proxies.get(address[1])
+        return (HOST, made.port) if made is not None else address
+
+    client = ClusterClient(
+        startup_nodes=None,
+        host=HOST,
+        port=proxies[redis.instances[0].port].port,
+        address_remap=through_proxy,
+    )
+    pipes = ShardPipes(client)
+    streams = RedisStreams(redis.url, pipes=pipes)
+    stream = f"game:shogi#{uuid.uuid4().hex[:8]}"
+    owner = redis.owner(key_slot(("ap:{" + stream + "}").encode()))
+    try:
+        await streams.start()
+        first = await streams.append(stream, b"one", (stream,))
+        proxies[owner].cut_after(b"EVALSHA")
+        second = await streams.append(stream, b"two", (stream,))
+        assert proxies[owner].cuts_after_write == 1
+        third = await streams.append(stream, b"three", (stream,))
+    finally:
+        await pipes.close()
+        await client.aclose()
+        for made in proxies.values():
+            await made.stop()
+    assert [first.offset, second.offset, third.offset] == [1, 2, 3]
+    direct = aioredis.Redis(host=HOST, port=owner)
+    try:
+        entries: Any = await direct.xrange(history_key(stream))
+    finally:
+        await direct.aclose()
+    assert [bytes(fields[b"d"]) for _, fields in entries] == [b"one", b"two", b"three"]
+
+
+async def test_each_name_is_kept_for_its_window(redis_server: RedisServer) -> None:
+    """Names made here only come back through our own retries (5 min), a
+    notification's as long as its push's dedup (24 h), others 15 min."""
+    streams = RedisStreams(redis_server.url)
+    stream = f"user:{uuid.uuid4().hex[:8]}"
+    own, notification = new_event_id(), NOTIFICATION_NAME + "1700000000000#abc"
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await streams.start()
+        await streams.append(stream, b"a", (), own)
+        await streams.append(stream, b"b", (), "sqs-message-id")
+        await streams.append(stream, b"c", (), notification)
+        await streams.append(stream, b"d", ())
+        ttls = [
+            await client.ttl(event_id_key(stream, name))
+            for name in (own, "sqs-message-id", notification)
+        ]
+        named_here = [k async for k in client.scan_iter(event_id_key(stream, OWN_NAME + "*"))]
+    finally:
+        await client.aclose()
+        await streams.close()
+    limits = DEFAULT_LIMITS
+    assert (limits.resend_id_ttl, limits.event_id_ttl, limits.notification_id_ttl) == (
+        300,
+        900,
+        24 * 3600,
+    )
+    assert 250 < ttls[0] <= 300 and 850 < ttls[1] <= 900 and 86000 < ttls[2] <= 86400
+    assert len(named_here) == 2  # the unnamed append got a name of its own
