@@ -51,8 +51,8 @@ class Settings:
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
     history_size: int = 50
-    history_ttl: int = 900
-    stream_meta_ttl: int = 24 * 3600
+    history_ttl: float = 900.0
+    stream_meta_ttl: float = 24 * 3600.0
     chat_rate: int = 5
     log_level: str = "INFO"
     log_format: str = "text"
@@ -83,7 +83,7 @@ class Settings:
     def stream_limits(self) -> StreamLimits:
         from server.bus.streams import StreamLimits
 
-        return StreamLimits(self.history_size, float(self.history_ttl), float(self.stream_meta_ttl))
+        return StreamLimits(self.history_size, self.history_ttl, self.stream_meta_ttl)
 
     @property
     def clustered(self) -> bool:
@@ -291,8 +291,8 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("--bot-max-connections must be at least 1")
     if settings.history_size < 1:
         raise ConfigError("--history-size must be at least 1")
-    if settings.history_ttl < 1 or settings.stream_meta_ttl < settings.history_ttl:
-        raise ConfigError("--history-ttl must be at least 1 and at most --stream-meta-ttl")
+    if settings.history_ttl <= 0 or settings.stream_meta_ttl < settings.history_ttl:
+        raise ConfigError("--history-ttl must be positive and at most --stream-meta-ttl")
     if settings.presence_debounce_ms < 0:
         raise ConfigError("--presence-debounce-ms must not be negative")
     if settings.drain_seconds < 0 or settings.drain_move_grace_ms < 0:

@@ -69,10 +69,10 @@ if not epoch then
 end
 local offset = redis.call('HINCRBY', KEYS[1], 's', 1)
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], offset .. '-0', 'd', ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
 if KEYS[3] then
-  redis.call('SET', KEYS[3], epoch .. ':' .. offset, 'EX', ARGV[6])
+  redis.call('SET', KEYS[3], epoch .. ':' .. offset, 'PX', ARGV[6])
 end
 local message = '\\0' .. epoch .. '\\0' .. offset .. '\\0' .. ARGV[1]
 for i = 7, #ARGV do
@@ -81,8 +81,8 @@ end
 return {epoch, offset}
 """
 """KEYS: meta, history, and the event id's key if the append names its event.
-ARGV: envelope, history size, history ttl s, meta ttl s, epoch to use if the
-stream has none, event id ttl s, then the channels to publish on.
+ARGV: envelope, history size, history ttl ms, meta ttl ms, epoch to use if the
+stream has none, event id ttl ms, then the channels to publish on.
 Returns {epoch, offset}, and a third element, 1, if the event id was a repeat."""
 
 READ = """
@@ -91,7 +91,7 @@ if not epoch then
   epoch = ARGV[3]
   redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[1], 'e', epoch, 's', 0)
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
   return {epoch, 0, {}}
 end
 local top = tonumber(redis.call('HGET', KEYS[1], 's'))
@@ -102,8 +102,13 @@ if after < top then
 end
 return {epoch, top, entries}
 """
-"""KEYS: meta, history. ARGV: after, most entries, epoch to create if none, meta ttl s.
+"""KEYS: meta, history. ARGV: after, most entries, epoch to create if none, meta ttl ms.
 Position and entries are read in one step, so they agree."""
+
+
+def _ms(seconds: float) -> int:
+    """A ttl for ``PEXPIRE``: milliseconds, at least one."""
+    return max(1, round(seconds * 1000))
 
 
 def meta_key(stream: str) -> str:
@@ -170,10 +175,10 @@ class RedisStreams:
         return [
             data,
             limits.history_size,
-            max(1, int(limits.history_ttl)),
-            max(1, int(limits.meta_ttl)),
+            _ms(limits.history_ttl),
+            _ms(limits.meta_ttl),
             new_epoch(),
-            max(1, int(limits.event_id_ttl)),
+            _ms(limits.event_id_ttl),
             *[channel_for(topic) for topic in topics],
         ]
 
@@ -238,7 +243,7 @@ class RedisStreams:
 
     def _read_args(self, after: int) -> list[Any]:
         limits = self._limits
-        return [after, limits.history_size, new_epoch(), max(1, int(limits.meta_ttl))]
+        return [after, limits.history_size, new_epoch(), _ms(limits.meta_ttl)]
 
     async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
         keys = [meta_key(stream), history_key(stream)]
