@@ -1,4 +1,5 @@
-"""Fixtures: a real node on 127.0.0.1 with real sockets, embedded default."""
+"""Fixtures: a real node on 127.0.0.1 with real sockets, embedded default; the
+worker's own Redis; and the tiers and kinds of tests, set by path (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -21,7 +23,7 @@ from server.node import Node
 from server.store.base import Store
 from server.store.dynamodb import create_table
 from tests.client import DEV_SECRET, Client
-from tests.services import dynamodb_endpoint_for_tests
+from tests.services import RedisServer, dynamodb_endpoint_for_tests, start_redis_server
 
 PUBLISH_SECRET = "publish-secret-for-tests"
 TEST_REGION = "us-east-1"
@@ -110,6 +112,80 @@ async def run_server(
         await node.stop()
         await ws_server.wait_closed()
         await runner.cleanup()
+
+
+TESTS = Path(__file__).resolve().parent
+
+KIND_BY_PATH = {
+    "cluster/": "cluster",
+    "browser/": "browser",
+    "test_browser.py": "browser",
+    "cluster/test_status_page.py": "browser",
+    "test_image.py": "image",
+}
+"""A kind for every test under a directory or in a file, so new files get theirs."""
+
+SLOW = {
+    # Whole files: their time is a module fixture's, or their only test's.
+    "test_loadtest_smoke.py": 130,
+    "test_image.py": 73,
+    # Single tests, by node id without the parameter.
+    "cluster/test_drain.py::"
+    "test_rolling_a_node_moves_its_clients_without_flapping_or_losing_events": 32,
+}
+"""The slow tier: what took over ~10 s (setup, call and teardown) in a serial run on a
+loaded 2-core machine, with those seconds (docs/testing.md says how to measure)."""
+
+SLOW_TIMEOUT = 900
+"""Seconds a slow test may take before pytest-timeout fails it (others: pyproject's)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.relative_to(TESTS).as_posix()
+        for prefix, kind in KIND_BY_PATH.items():
+            if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
+                item.add_marker(kind)
+        test = f"{path}::{item.name.split('[', 1)[0]}"
+        if path in SLOW or test in SLOW:
+            item.add_marker(pytest.mark.slow)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
+
+
+MOTO_READ_TIMEOUT_SECONDS = 60.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def patient_dynamodb_reads() -> Iterator[None]:
+    """In-process stores wait longer for a read than the production 5 s: that bound is
+    for DynamoDB, and moto, Python on two loaded cores, takes seconds of CPU for a
+    1 MB Query page. Failures are still tested, by the fault proxy's error answers."""
+    from server.store import dynamodb
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dynamodb, "READ_TIMEOUT_SECONDS", MOTO_READ_TIMEOUT_SECONDS)
+        yield
+
+
+@pytest.fixture(scope="session")
+def worker_redis() -> Iterator[RedisServer]:
+    """One ``redis-server`` per xdist worker (per session without xdist)."""
+    redis = start_redis_server()
+    try:
+        yield redis
+    finally:
+        redis.stop()
+
+
+@pytest.fixture
+def fresh_redis(worker_redis: RedisServer) -> RedisServer:
+    """The worker's ``redis-server``, running and empty, for this test alone: it may
+    stop or restart it (the next test gets it running again)."""
+    if not worker_redis.alive:
+        worker_redis.restart()
+    worker_redis.flush()
+    return worker_redis
 
 
 @pytest.fixture(scope="session")
