@@ -28,6 +28,7 @@ from protocol.errors import (
 )
 from protocol.messages import Chat, Subscribe, SyncPresence, WatchGames
 from protocol.parse import parse_client_frame
+from server import __version__, startup_notes
 from server.auth.jwks import jwks_source
 from server.auth.verify import Authenticator, BotVerifier, CognitoVerifier, DevVerifier
 from server.bus.base import Bus
@@ -413,17 +414,23 @@ async def serve_forever(settings: Settings) -> None:
         if settings.clustered
         else "embedded (in-process bus)"
     )
+    ws_port, http_port = bound_port(ws_server), runner.addresses[0][1]
     log.info(
-        "ap-realtime %s: ws://%s:%d, internal http://%s:%d, node %s, %s store, auth %s",
+        "ap-realtime %s %s: ws://%s:%d, internal http://%s:%d, node %s, %s store; %s",
+        __version__,
         mode,
         settings.host,
-        bound_port(ws_server),
+        ws_port,
         settings.http_host,
-        settings.http_port,
+        http_port,
         settings.node_id,
         settings.store,
-        "on" if node.authenticator.enabled else "OFF (no --dev-jwt-secret or Cognito set)",
+        startup_notes.summary(settings),
     )
+    if not node.authenticator.enabled:
+        log.warning(startup_notes.NO_VERIFIER)
+    if settings.dev:
+        print(startup_notes.dev_banner(settings, ws_port, http_port), flush=True)
     await signals.get()
     # Stop accepting at once; /readyz is 503 from here. A second signal cuts the drain short.
     ws_server.close(close_connections=False)
