@@ -11,6 +11,7 @@ from pathlib import Path
 import setuptools
 
 import server
+from loadtest.harness.servers import REPO_ROOT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +29,8 @@ def test_the_wheel_holds_protocol_and_server_only() -> None:
 
 
 def test_the_load_tester_runs_from_a_checkout() -> None:
+    # Its servers and workers are children that find loadtest/ through the checkout.
+    assert (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "loadtest").is_dir()
     done = subprocess.run(
         [sys.executable, "-m", "loadtest", "--help"],
         cwd=ROOT,
