@@ -15,6 +15,7 @@ from typing import Any
 
 import boto3
 import pytest
+from hypothesis import HealthCheck, settings
 
 from loadtest.harness.redis_cluster import RedisCluster, redis_cluster_for_tests
 from server.app import bound_port, build_node, start_listeners
@@ -113,6 +114,13 @@ async def run_server(
         await ws_server.wait_closed()
         await runner.cleanup()
 
+
+# Hypothesis fails an example slower than 200 ms, and a strategy slow to draw from,
+# by default: both measure the CPU this process got, not the code under test.
+settings.register_profile(
+    "loaded-machine", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("loaded-machine")
 
 TESTS = Path(__file__).resolve().parent
 
