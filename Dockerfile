@@ -1,6 +1,6 @@
 # ap-realtime in a container: `ap-realtime serve`, configured only by AP_* variables.
 #
-#   docker build -t ap-realtime .                      # from PyPI, on python:3.11-slim
+#   docker build -t ap-realtime --build-arg VERSION=0.2.0 .   # from PyPI, on python:3.11-slim
 #   docker build --build-arg BASE=debian:bookworm-slim-with-python3 ...
 #
 # Where the build cannot reach a package index, build wheels on the host first
@@ -21,6 +21,10 @@ RUN /opt/ap-realtime/bin/pip install --no-cache-dir --disable-pip-version-check 
     && rm -rf /opt/ap-realtime/lib/python3*/site-packages/pip
 
 FROM ${BASE}
+# The release (server/__init__.py, CHANGELOG.md); scripts/build-image passes it.
+ARG VERSION=unknown
+LABEL org.opencontainers.image.title="ap-realtime" \
+      org.opencontainers.image.version="${VERSION}"
 COPY --from=build /opt/ap-realtime /opt/ap-realtime
 ENV PATH=/opt/ap-realtime/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

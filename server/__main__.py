@@ -7,9 +7,9 @@ import asyncio
 import sys
 import time
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-from server import config
+from server import __version__, config
 from server.store.base import StoreUnavailable
 
 TABLE_SETTINGS = ("dynamodb_endpoint", "table", "region")
@@ -77,13 +77,26 @@ def _dev_token(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in three lines, not the whole usage (``serve`` has 70 flags)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(
+            2,
+            f"ap-realtime: {message}\n"
+            f"usage: {self.prog} {'COMMAND ' if ' ' not in self.prog else ''}[OPTIONS]"
+            f"  (`{self.prog} --help` lists them)\n",
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ap-realtime",
         description="Abstract Play's real-time server: WebSocket presence and game events.",
         epilog="Every setting also comes from its AP_* environment variable; "
         "`ap-realtime COMMAND --help` lists a command's own.",
     )
+    parser.add_argument("--version", action="version", version=f"ap-realtime {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve", help="run the WebSocket server (blocks until SIGINT or SIGTERM)"

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from websockets.asyncio.server import Server
 
+from server import __version__, startup_notes
 from server.config import Settings
 from server.ingress.http import build_app
 from server.ingress.websocket import serve_websocket
@@ -83,17 +84,23 @@ async def serve_forever(settings: Settings) -> None:
         if settings.clustered
         else "embedded (in-process bus)"
     )
+    ws_port, http_port = bound_port(ws_server), runner.addresses[0][1]
     log.info(
-        "ap-realtime %s: ws://%s:%d, internal http://%s:%d, node %s, %s store, auth %s",
+        "ap-realtime %s %s: ws://%s:%d, internal http://%s:%d, node %s, %s store; %s",
+        __version__,
         mode,
         settings.host,
-        bound_port(ws_server),
+        ws_port,
         settings.http_host,
-        settings.http_port,
+        http_port,
         settings.node_id,
         settings.store,
-        "on" if node.authenticator.enabled else "OFF (no --dev-jwt-secret or Cognito set)",
+        startup_notes.summary(settings),
     )
+    if not node.authenticator.enabled:
+        log.warning(startup_notes.NO_VERIFIER)
+    if settings.dev:
+        print(startup_notes.dev_banner(settings, ws_port, http_port), flush=True)
     await signals.get()
     # Stop accepting at once; /readyz is 503 from here. A second signal cuts the drain short.
     ws_server.close(close_connections=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -51,8 +52,8 @@ class Settings:
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
     history_size: int = 50
-    history_ttl: int = 900
-    stream_meta_ttl: int = 24 * 3600
+    history_ttl: float = 900.0
+    stream_meta_ttl: float = 24 * 3600.0
     chat_rate: int = 5
     log_level: str = "INFO"
     log_format: str = "text"
@@ -75,6 +76,7 @@ class Settings:
     socket_send_buffer_bytes: int = 64 * 1024
     token_cache_size: int = 10000
     heartbeat_seconds: int = 15
+    dev: bool = False
 
     @property
     def presence_debounce(self) -> float:
@@ -84,7 +86,7 @@ class Settings:
     def stream_limits(self) -> StreamLimits:
         from server.bus.streams import StreamLimits
 
-        return StreamLimits(self.history_size, float(self.history_ttl), float(self.stream_meta_ttl))
+        return StreamLimits(self.history_size, self.history_ttl, self.stream_meta_ttl)
 
     @property
     def clustered(self) -> bool:
@@ -93,12 +95,15 @@ class Settings:
 
 _HELP: dict[str, str] = {
     "host": "public WebSocket listener address",
-    "port": "public WebSocket listener port (any path is accepted)",
+    "port": "public WebSocket listener port, 1-65535 or 0 for any free one (any path is accepted)",
     "http_host": "internal HTTP listener address (publish, health, metrics)",
-    "http_port": "internal HTTP listener port, for operators and the backend only",
-    "node_id": "this node's name, stored as each row's endpoint (default: host name)",
-    "dev_jwt_secret": "accept HS256 development tokens signed with this secret",
-    "publish_secret": "bearer secret required by POST /publish",
+    "http_port": "internal HTTP listener port, 1-65535 or 0 for any free one; for operators and "
+    "the backend only",
+    "node_id": "this node's name, stored as each row's endpoint",
+    "dev_jwt_secret": "accept HS256 development tokens signed with this secret (at least 32 "
+    "characters)",
+    "publish_secret": "bearer secret required by POST /publish (at least 16 characters); "
+    "without one, publishing is off",
     "cognito_issuer": "Cognito user pool issuer URL; enables RS256 ID tokens",
     "cognito_client_id": "Cognito app client id, the ID tokens' audience",
     "jwks_file": "read the pool's JWKS from this file instead of the issuer URL",
@@ -160,6 +165,8 @@ _HELP: dict[str, str] = {
     "for them in subscribe (1-300); an SDK replaces a socket silent for 3 of these",
     "token_cache_size": "verified tokens remembered (LRU, by hash, never past exp) so a "
     "reconnect storm verifies each token once (0 = off)",
+    "dev": "try-out mode: throwaway --dev-jwt-secret and --publish-secret (those not given), "
+    "and a ready token and publish command printed at start; never in production",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -169,6 +176,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 MIN_DEV_SECRET_CHARS = 32
+MIN_PUBLISH_SECRET_CHARS = 16
+MAX_PORT = 65535
 
 SERVE = tuple(spec.name for spec in fields(Settings))
 """The settings ``serve`` takes: all of them."""
@@ -261,12 +270,22 @@ def load(args: argparse.Namespace | None, environ: Mapping[str, str] | None = No
         values["node_id"] = socket.gethostname()
     if values.get("dynamodb_endpoint") and "store" not in values:
         values["store"] = "dynamodb"
+    if values.get("dev"):
+        # Throwaway secrets for this run only; given ones are kept.
+        values.setdefault("dev_jwt_secret", secrets.token_hex(32))
+        values.setdefault("publish_secret", secrets.token_hex(16))
     settings = Settings(**values)
     _validate(settings)
     return settings
 
 
 def _validate(settings: Settings) -> None:
+    for name in ("port", "http_port"):
+        if not 0 <= getattr(settings, name) <= MAX_PORT:
+            raise ConfigError(
+                f"{_flag(name)} must be from 1 to {MAX_PORT} (or 0 for any free port), "
+                f"not {getattr(settings, name)}"
+            )
     if settings.store not in ("memory", "dynamodb"):
         raise ConfigError(f"--store must be memory or dynamodb, not {settings.store!r}")
     if settings.redis_url is not None and settings.redis_cluster_url is not None:
@@ -294,8 +313,8 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("--bot-max-connections must be at least 1")
     if settings.history_size < 1:
         raise ConfigError("--history-size must be at least 1")
-    if settings.history_ttl < 1 or settings.stream_meta_ttl < settings.history_ttl:
-        raise ConfigError("--history-ttl must be at least 1 and at most --stream-meta-ttl")
+    if settings.history_ttl <= 0 or settings.stream_meta_ttl < settings.history_ttl:
+        raise ConfigError("--history-ttl must be positive and at most --stream-meta-ttl")
     if settings.presence_debounce_ms < 0:
         raise ConfigError("--presence-debounce-ms must not be negative")
     if settings.drain_seconds < 0 or settings.drain_move_grace_ms < 0:
@@ -304,6 +323,14 @@ def _validate(settings: Settings) -> None:
         raise ConfigError(
             f"--dev-jwt-secret must be at least {MIN_DEV_SECRET_CHARS} characters "
             f"(try: openssl rand -hex 32)"
+        )
+    if (
+        settings.publish_secret is not None
+        and len(settings.publish_secret) < MIN_PUBLISH_SECRET_CHARS
+    ):
+        raise ConfigError(
+            f"--publish-secret must be at least {MIN_PUBLISH_SECRET_CHARS} characters "
+            f"(try: openssl rand -hex 16)"
         )
     if not 0 <= settings.sqs_wait_seconds <= 20:
         raise ConfigError("--sqs-wait-seconds must be from 0 to 20 (SQS's own limit)")

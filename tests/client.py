@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ from websockets.exceptions import ConnectionClosed
 from websockets.typing import Subprotocol
 
 DEV_SECRET = "test-dev-secret-0123456789abcdef-0123"
+
+ROUNDTRIP = re.compile(r"ap-test-roundtrip-(\d+)")
+"""The unknown action :meth:`Client.barrier` sends, named in the error that answers it."""
 
 
 def dev_token(user_id: str, *, secret: str = DEV_SECRET, expires_in: int = 600) -> str:
@@ -49,6 +53,7 @@ class Client:
         self.messages: list[dict[str, Any]] = []
         self._changed = asyncio.Condition()
         self._roundtrips = 0
+        self._answered: set[int] = set()
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
@@ -133,21 +138,24 @@ class Client:
         return self.recovered(stream)[count - 1]
 
     async def barrier(self, within: float = 5.0) -> None:
-        """Returns once the server has handled everything sent before it."""
+        """Returns once the server has handled everything sent before it.
+
+        An unknown action is answered with an error frame naming it, in order, and
+        at once (``syncPresence`` is answered at most once a second). That answer
+        is kept out of :attr:`messages`, so tests never mistake it for an error of
+        their own."""
+        self._roundtrips += 1
+        number = self._roundtrips
+        await self.send({"action": f"ap-test-roundtrip-{number}"})
+        await self.wait_for(lambda: number in self._answered, within)
+
+    async def sync_presence(self, within: float = 5.0) -> None:
+        """``syncPresence``, and wait for the snapshot that answers it (at most one a
+        second per socket: this may wait that long). It also counts as the user being
+        seen (lastSeen)."""
         snapshots = self.presence.snapshots
         await self.send({"action": "syncPresence"})
         await self.wait_for(lambda: self.presence.snapshots > snapshots, within)
-
-    async def roundtrip(self) -> None:
-        """Like :meth:`barrier`, without asking for a snapshot (those are coalesced,
-        so after other syncPresence asks, a snapshot may answer an earlier one):
-        an unknown action is answered with an error frame naming it, in order."""
-        self._roundtrips += 1
-        marker = f"roundtrip-{self._roundtrips}"
-        await self.send({"action": marker})
-        await self.next_message(
-            lambda m: m.get("verb") == "error" and marker in m["payload"]["message"]
-        )
 
     async def _read(self) -> None:
         try:
@@ -155,8 +163,12 @@ class Client:
                 message = json.loads(data) if isinstance(data, str) else msgpack.unpackb(data)
                 if message.get("verb") == "connections":
                     await self._apply_presence(message["payload"])
+                answered = _roundtrip_answered(message)
                 async with self._changed:
-                    self.messages.append(message)
+                    if answered is None:
+                        self.messages.append(message)
+                    else:
+                        self._answered.add(answered)
                     self._changed.notify_all()
         except ConnectionClosed:
             pass
@@ -214,3 +226,15 @@ class Client:
         async with asyncio.timeout(within):
             await self.ws.wait_closed()
         return self.ws.close_code, self.ws.close_reason or ""
+
+
+def _roundtrip_answered(message: dict[str, Any]) -> int | None:
+    """The number of the :meth:`Client.barrier` that ``message`` answers, if it does."""
+    payload = message.get("payload")
+    if message.get("verb") != "error" or not isinstance(payload, dict):
+        return None
+    text = payload.get("message")
+    found = ROUNDTRIP.search(text) if isinstance(text, str) else None
+    if found is None or payload.get("code") != "unknown_action":
+        return None
+    return int(found.group(1))

@@ -1,4 +1,5 @@
-"""Fixtures: a real node on 127.0.0.1 with real sockets, embedded default."""
+"""Fixtures: a real node on 127.0.0.1 with real sockets, embedded default; the
+worker's own Redis; and the tiers and kinds of tests, set by path (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
+from hypothesis import HealthCheck, settings
 
 from loadtest.harness.redis_cluster import RedisCluster, redis_cluster_for_tests
 from server.app import bound_port, start_listeners
@@ -22,7 +25,7 @@ from server.store.base import Store
 from server.store.dynamodb import create_table
 from server.wiring import build_node
 from tests.client import DEV_SECRET, Client
-from tests.services import dynamodb_endpoint_for_tests
+from tests.services import RedisServer, dynamodb_endpoint_for_tests, start_redis_server
 
 PUBLISH_SECRET = "publish-secret-for-tests"
 TEST_REGION = "us-east-1"
@@ -34,6 +37,9 @@ TEST_SETTINGS = Settings(
     dev_jwt_secret=DEV_SECRET,
     publish_secret=PUBLISH_SECRET,
     presence_debounce_ms=150,
+    # A socket that never answers the closing handshake (the flood tests' raw
+    # writers) holds the node's stop this long, not the default 5 s.
+    close_timeout=1.0,
 )
 
 
@@ -114,6 +120,125 @@ async def run_server(
         await node.stop()
         await ws_server.wait_closed()
         await runner.cleanup()
+
+
+# Hypothesis fails an example slower than 200 ms, and a strategy slow to draw from,
+# by default: both measure the CPU this process got, not the code under test.
+settings.register_profile(
+    "loaded-machine", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("loaded-machine")
+
+TESTS = Path(__file__).resolve().parent
+
+KIND_BY_PATH = {
+    "cluster/": "cluster",
+    "browser/": "browser",
+    "test_browser.py": "browser",
+    "cluster/test_status_page.py": "browser",
+    "test_image.py": "image",
+}
+"""A kind for every test under a directory or in a file, so new files get theirs."""
+
+SLOW = {
+    # Whole files: the smoke test's module fixture runs every load-test scenario; the
+    # image test builds the image.
+    "test_loadtest_smoke.py": 130,
+    "test_image.py": 73,
+    # Single tests (every parameter), by file and name.
+    "cluster/test_bots.py::"
+    "test_a_bot_on_any_node_gets_its_pending_turns_and_stays_out_of_presence": 7,
+    "cluster/test_chat.py::test_concurrent_posts_on_two_nodes_are_stored_once_in_event_order": 12,
+    "cluster/test_chat.py::test_last_seen_is_written_once_across_nodes": 7,
+    "cluster/test_drain.py::"
+    "test_rolling_a_node_moves_its_clients_without_flapping_or_losing_events": 32,
+    "cluster/test_failures.py::test_a_paused_node_comes_back": 8,
+    "cluster/test_failures.py::test_kill_9_of_a_node_withdraws_its_users_within_the_bound": 10,
+    "cluster/test_failures.py::test_leader_failover_keeps_seq_gap_free": 10,
+    "cluster/test_failures.py::test_redis_restart_mid_test": 16,
+    "cluster/test_notification_push.py::"
+    "test_a_handover_after_kill_9_pushes_each_notification_once": 18,
+    "cluster/test_presence.py::test_a_quick_move_between_nodes_is_not_a_flap": 6,
+    "cluster/test_presence.py::test_one_stream_and_one_state_on_every_node": 8,
+    "cluster/test_presence.py::test_the_same_user_on_two_nodes_closing_one_is_not_a_leave": 8,
+    "cluster/test_queue_bridge.py::test_a_node_killed_mid_run_loses_and_duplicates_nothing": 13,
+    "cluster/test_queue_bridge.py::"
+    "test_a_redis_restart_keeps_messages_in_the_queue_until_published": 15,
+    "cluster/test_queue_bridge.py::test_competing_consumers_deliver_each_message_once": 7,
+    "cluster/test_redis_cluster.py::test_a_whole_cluster_restart": 13,
+    "cluster/test_redis_cluster.py::"
+    "test_events_cross_nodes_on_every_shard_and_stay_on_their_own": 14,
+    "cluster/test_redis_cluster.py::"
+    "test_kill_9_of_the_presence_primary_fails_over_without_a_client_gap": 10,
+    "cluster/test_redis_cluster.py::"
+    "test_the_bridges_dedup_and_lease_ride_through_a_primary_failover": 10,
+    "cluster/test_status_page.py::test_the_operators_page_shows_live_numbers_and_every_node": 18,
+    "cluster/test_streams.py::test_a_dropped_bus_connection_leaves_no_gap": 19,
+    "cluster/test_streams.py::test_history_past_its_ttl_gives_recovered_false": 5,
+    "cluster/test_streams.py::test_recovery_on_another_node_while_events_flow": 8,
+    "contract/test_backend_rows_contract.py::test_current_games_follows_pages": 9,
+    "test_browser.py::test_the_browser_client_works_unchanged": 7,
+    "test_chat_dynamodb.py::"
+    "test_a_store_outage_answers_unavailable_and_the_retry_is_stored_once": 6,
+    "test_sqs_bridge.py::test_sqs_down_then_back_loses_nothing": 7,
+    "test_table_stream.py::test_a_restart_resumes_at_the_checkpoint": 11,
+    "test_table_stream.py::test_one_reader_at_a_time_and_a_handover_skips_nothing": 18,
+}
+"""The slow tier: tests that took 5 s or more on average (setup, call and teardown) over
+two serial runs on the loaded 2-core machine, with the most seconds either took. The
+line is where the rest runs within 4 minutes with 4 workers; docs/testing.md says how
+to measure again."""
+
+SLOW_TIMEOUT = 900
+"""Seconds a slow test may take before pytest-timeout fails it (others: pyproject's)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.relative_to(TESTS).as_posix()
+        for prefix, kind in KIND_BY_PATH.items():
+            if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
+                item.add_marker(kind)
+        test = f"{path}::{item.name.split('[', 1)[0]}"
+        if path in SLOW or test in SLOW:
+            item.add_marker(pytest.mark.slow)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
+
+
+MOTO_READ_TIMEOUT_SECONDS = 60.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def patient_dynamodb_reads() -> Iterator[None]:
+    """In-process stores wait longer for a read than the production 5 s: that bound is
+    for DynamoDB, and moto, Python on two loaded cores, takes seconds of CPU for a
+    1 MB Query page. Failures are still tested, by the fault proxy's error answers."""
+    from server.store import dynamodb
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dynamodb, "READ_TIMEOUT_SECONDS", MOTO_READ_TIMEOUT_SECONDS)
+        yield
+
+
+@pytest.fixture(scope="session")
+def worker_redis() -> Iterator[RedisServer]:
+    """One ``redis-server`` per xdist worker (per session without xdist)."""
+    redis = start_redis_server()
+    try:
+        yield redis
+    finally:
+        redis.stop()
+
+
+@pytest.fixture
+def fresh_redis(worker_redis: RedisServer) -> RedisServer:
+    """The worker's ``redis-server``, running and empty, for this test alone: it may
+    stop or restart it (the next test gets it running again)."""
+    if not worker_redis.alive:
+        worker_redis.restart()
+    worker_redis.flush()
+    return worker_redis
 
 
 @pytest.fixture(scope="session")

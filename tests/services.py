@@ -9,7 +9,11 @@ Environment overrides let CI bring its own services:
 - ``AP_TEST_DYNAMODB_ENDPOINT``: used by :func:`dynamodb_endpoint_for_tests`
   instead of starting moto.
 - ``AP_TEST_REDIS_URL``: used by :func:`redis_url_for_tests` instead of starting
-  ``redis-server``.
+  ``redis-server``. Under pytest-xdist each worker takes its own database number
+  on it (the URL's, plus the worker's index), so fixed key names never meet;
+  channels are not per database in Redis, so what uses it names its channels
+  per test. Nodes, whose channel names are fixed, run on the worker's own
+  ``redis-server`` instead (``fresh_redis`` in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,6 +49,30 @@ _FAKE_AWS_ENV = {
 
 class ServiceError(RuntimeError):
     """A test service did not start."""
+
+
+def worker_index() -> int:
+    """This pytest-xdist worker's number (``gw3`` is 3); 0 outside xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+
+
+REDIS_DATABASES = 16
+"""Redis's default ``databases``: how many workers can share one ``AP_TEST_REDIS_URL``."""
+
+
+def per_worker_database(url: str) -> str:
+    """``url`` with its database number moved up by this worker's index."""
+    parts = urllib.parse.urlsplit(url)
+    path = parts.path.strip("/")
+    base = int(path) if path.isdigit() else 0
+    database = base + worker_index()
+    if database >= REDIS_DATABASES:
+        raise ServiceError(
+            f"{REDIS_URL_ENV}={url}: worker {worker_index()} would use database {database}, "
+            f"past Redis's default {REDIS_DATABASES}; run fewer workers or start at /0"
+        )
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{database}"))
 
 
 def ensure_fake_aws_credentials() -> None:
@@ -227,6 +256,21 @@ class RedisServer:
                 os.unlink(self.log_path)
             self.log_path = None
 
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def flush(self) -> None:
+        """Empty every database and forget the scripts, as if just started."""
+        import redis
+
+        client = redis.Redis(host=HOST, port=self.port, socket_timeout=10)
+        try:
+            client.flushall()
+            client.script_flush()
+        finally:
+            client.close()
+
     def restart(self, timeout: float = 10.0) -> None:
         """Stop and start again on the same port (the data is gone: nothing is saved)."""
         self.stop()
@@ -254,10 +298,11 @@ def start_redis_server(timeout: float = 10.0) -> RedisServer:
 
 @contextlib.contextmanager
 def redis_url_for_tests() -> Iterator[str]:
-    """A Redis URL: ``AP_TEST_REDIS_URL`` or a fresh ``redis-server``."""
+    """A Redis URL: ``AP_TEST_REDIS_URL`` (a database of this worker's own) or a fresh
+    ``redis-server``."""
     override = os.environ.get(REDIS_URL_ENV)
     if override:
-        yield override
+        yield per_worker_database(override)
         return
     server = start_redis_server()
     try:

@@ -94,7 +94,7 @@ async def test_a_refused_watch_games_gets_its_error_and_no_ack(server: RunningSe
     error = await client.next_message(lambda m: m["verb"] == "error")
     assert error["payload"]["code"] == "too_many_games"
     assert error["payload"]["ackId"] == "w2"
-    await client.roundtrip()
+    await client.barrier()
     assert "ack" not in verbs(client)
     (session,) = server.node.index.by_user["alice"]
     assert session.watching == frozenset({"chess#a"})  # the old set stays
@@ -155,7 +155,7 @@ async def test_a_malformed_ack_id_applies_nothing(server: RunningServer, ack_id:
     error = await client.next_message(lambda m: m["verb"] == "error")
     assert error["payload"]["code"] == "invalid_message"
     assert "ackId" not in error["payload"]  # not a usable one to echo
-    await client.roundtrip()
+    await client.barrier()
     assert "alice" not in server.node.index.by_user  # nothing applied
     assert client.ws.close_code is None  # and the socket stays open
 
@@ -168,7 +168,7 @@ async def test_an_invalid_action_echoes_a_usable_ack_id(server: RunningServer) -
     error = await client.next_message(lambda m: m["verb"] == "error")
     assert error["payload"]["code"] == "invalid_message"
     assert error["payload"]["ackId"] == "w3"
-    await client.roundtrip()
+    await client.barrier()
     assert "ack" not in verbs(client)
 
 
@@ -179,7 +179,7 @@ async def test_watch_games_before_subscribe_is_not_subscribed_with_its_ack_id(
     await client.send({"action": "watchGames", "games": [], "ackId": "w4"})
     error = await client.next_message(lambda m: m["verb"] == "error")
     assert error["payload"]["code"] == "not_subscribed" and error["payload"]["ackId"] == "w4"
-    await client.roundtrip()
+    await client.barrier()
     assert "ack" not in verbs(client)
 
 

@@ -134,7 +134,7 @@ async def test_random_frames_never_hurt_the_node(server: RunningServer) -> None:
     victim = await server.subscribed("fuzzer")
     for frame in random_frames(seed=2026, count=500):
         await victim.ws.send(frame)
-    await victim.roundtrip()  # every frame was handled and the session still answers
+    await victim.barrier()  # every frame was handled and the session still answers
     assert len(victim.of_verb("error")) > 100
     bystander = await server.subscribed("bystander")
     assert bystander.presence.snapshots == 1

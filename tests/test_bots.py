@@ -118,7 +118,7 @@ async def test_bots_are_not_in_presence_and_get_no_presence_frames(world: World)
     bot = await world.bot()
     await pending_turns(bot)
     await asyncio.sleep(TEST_SETTINGS.presence_debounce * 3)
-    await alice.barrier()
+    await alice.sync_presence()
     assert alice.presence.visible == {"alice"}
     assert alice.presence.server_total == 1
     assert world.server.node.presence.local.user_count == 1

@@ -3,22 +3,52 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from importlib.metadata import version
+from pathlib import Path
 
 import jwt
+from websockets.exceptions import ConnectionClosed
 
-from tests.client import DEV_SECRET
+import server
+from tests.client import DEV_SECRET, Client
+
+
+def own_loopback(argv: list[str]) -> list[str]:
+    """``argv`` in a network namespace of its own where one can be made (root, as CI
+    runs), so the fixed default ports cannot be taken by another run on the machine."""
+    if shutil.which("unshare") and shutil.which("ip"):
+        probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "-", *argv]
+    return argv
+
+
+def as_in_readme(line: str) -> str:
+    """A log line without its time and host name, to compare with the README's."""
+    text = line.strip().split(" ", 2)[2]
+    return re.sub(r", node [^,]+,", ", node NODE,", text)
+
+
+def readme_log_lines() -> list[str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return [as_in_readme(line) for line in readme.splitlines() if " ap_realtime: " in line]
 
 
 def test_serve_with_no_flags_starts_the_embedded_default_and_says_where() -> None:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("AP_")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve"],
+        own_loopback([sys.executable, "-m", "server", "serve"]),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -31,13 +61,19 @@ def test_serve_with_no_flags_starts_the_embedded_default_and_says_where() -> Non
         while time.monotonic() < deadline:
             line = process.stdout.readline()
             lines.append(line)
-            if "ws://" in line or not line:
+            if "every client is refused" in line or not line:
                 break
         listening = [line for line in lines if "ws://" in line]
         assert listening, "".join(lines)
         assert "ws://127.0.0.1:8765" in listening[0]
         assert "http://127.0.0.1:8766" in listening[0]
         assert "embedded" in listening[0]
+        # With no secret at all it says, plainly, that it lets nobody in and why.
+        assert "accepts NO tokens (refuses everyone)" in listening[0]
+        assert any("every client is refused" in line and "--dev" in line for line in lines)
+        # The README shows these two lines as they are (copied from a run).
+        said = [as_in_readme(line) for line in lines if "ap_realtime:" in line]
+        assert said == [line for line in readme_log_lines() if "refuse" in line], said
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=15) == 0
     finally:
@@ -152,9 +188,10 @@ def test_log_format_json_writes_one_object_per_line_with_the_node_id() -> None:
 async def test_a_signal_during_start_up_stops_it_at_once_and_leaks_nothing(
     dynamodb_endpoint: str, table: str
 ) -> None:
+    from server.presence.redis import START_TIMEOUT
     from tests.services import free_port
 
-    # Redis is unreachable, so start-up retries (for 30 s, were it not stopped).
+    # Redis is unreachable, so start-up retries (for START_TIMEOUT, were it not stopped).
     process = await asyncio.create_subprocess_exec(
         *SERVE_ANY_PORT,
         *("--redis-url", f"redis://127.0.0.1:{free_port()}/0"),
@@ -162,13 +199,104 @@ async def test_a_signal_during_start_up_stops_it_at_once_and_leaks_nothing(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
-    await asyncio.sleep(4)
-    assert process.returncode is None, "start-up should still be waiting"
+    assert process.stdout is not None
+    lines: list[str] = []
+    async with asyncio.timeout(60):  # until start-up says it is waiting, however slowly
+        while not any("waiting for Redis" in line or "did not answer" in line for line in lines):
+            line = (await process.stdout.readline()).decode()
+            assert line, "".join(lines)  # it exited instead
+            lines.append(line)
     signalled = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    raw, _ = await asyncio.wait_for(process.communicate(), 20)
-    output = raw.decode()
-    assert time.monotonic() - signalled < 5, output
-    assert "waiting for Redis" in output or "did not answer" in output, output
+    raw, _ = await asyncio.wait_for(process.communicate(), 60)
+    output = "".join(lines) + raw.decode()
+    # Cancelled, not left to wait out its retries: sooner than they would have ended.
+    assert "stopped during start-up" in output, output
+    assert time.monotonic() - signalled < START_TIMEOUT, output
     assert "Unclosed" not in output and "Traceback" not in output, output
     assert process.returncode == 0, output
+
+
+def test_version_is_the_packages() -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"ap-realtime {server.__version__}"
+    assert version("ap-realtime") == server.__version__
+
+
+def test_a_bad_value_is_one_error_and_one_line_of_usage() -> None:
+    cases = {
+        ("serve", "--port", "99999"): "--port must be from 1 to 65535",
+        ("serve", "--http-port", "70000"): "--http-port must be from 1 to 65535",
+        ("serve", "--port", "-1"): "--port must be from 1 to 65535",
+        ("serve", "--port", "eighty"): "argument --port: invalid int value: 'eighty'",
+        ("serve", "--publish-secret", "abc"): "--publish-secret must be at least 16 characters",
+        ("serve", "--no-such-flag"): "unrecognized arguments: --no-such-flag",
+        ("dev-token", "--hours", "x", "--user", "u"): "argument --hours: invalid int value",
+    }
+    for argv, expected in cases.items():
+        result = run_cli(*argv)
+        assert result.returncode == 2, (argv, result.stderr)
+        lines = result.stderr.splitlines()
+        assert lines[0].startswith("ap-realtime: ") and expected in lines[0], (argv, lines)
+        # A setting's own check says all; the parser's adds one line of usage.
+        assert len(lines) <= 2, (argv, lines)
+        assert all(line.startswith("usage: ap-realtime ") for line in lines[1:]), lines
+
+
+def test_help_names_each_default_once() -> None:
+    serve = " ".join(run_cli("serve", "--help").stdout.split())
+    options = serve[serve.index("options:") :]
+    node_id = options[options.index("--node-id NODE_ID") : options.index("--dev-jwt-secret")]
+    assert node_id.count("default") == 1, node_id
+
+
+async def test_dev_mode_prints_a_token_and_a_publish_command_that_work() -> None:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("AP_")}
+    process = await asyncio.create_subprocess_exec(
+        *SERVE_ANY_PORT,
+        "--dev",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=environ,
+    )
+    assert process.stdout is not None
+    lines: list[str] = []
+    try:
+        async with asyncio.timeout(60):
+            while not any(line.lstrip().startswith("curl ") for line in lines):
+                line = (await process.stdout.readline()).decode()
+                assert line, "".join(lines)
+                lines.append(line)
+        said = "".join(lines)
+        assert "accepts dev tokens (HS256); publish on" in said, said
+        started = [as_in_readme(line) for line in lines if " ap_realtime: " in line]
+        readme = [line for line in readme_log_lines() if "accepts dev tokens" in line]
+        assert [re.sub(r":\d+", ":PORT", line) for line in started] == [
+            re.sub(r":\d+", ":PORT", line) for line in readme
+        ], started
+        commands = [line.strip() for line in lines]
+        ws_url = next(c for c in commands if c.startswith("python -m websockets ")).split()[-1]
+        subscribe = json.loads(next(c for c in commands if c.startswith('{"action"')))
+        secret = next(c for c in commands if c.startswith("export AP_DEV_JWT_SECRET="))
+        assert len(secret.split("=", 1)[1]) >= 32
+        curl = shlex.split(next(c for c in commands if c.startswith("curl ")))
+        header, body, url = curl[curl.index("-H") + 1], curl[curl.index("-d") + 1], curl[-1]
+
+        client = await Client.open(ws_url)
+        snapshots = client.presence.snapshots
+        await client.send(subscribe)
+        await client.wait_for(lambda: client.presence.snapshots > snapshots)
+        await client.wait_for(lambda: client.presence.visible == {"alice"}, 10)  # own join
+        name, _, value = header.partition(": ")
+        request = urllib.request.Request(url, data=body.encode(), headers={name: value})
+        with await asyncio.to_thread(urllib.request.urlopen, request, timeout=10) as response:
+            assert response.status == 202
+        event = await client.next_message(lambda m: m.get("verb") == "game")
+        assert event["payload"] == {"meta": "chess", "id": "g1"}
+        with contextlib.suppress(ConnectionClosed):
+            await client.close()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0

@@ -30,14 +30,14 @@ def test_every_flag_has_an_environment_variable_and_flags_win() -> None:
         "AP_HOST": "0.0.0.0",
         "AP_PRESENCE_DEBOUNCE_MS": "250",
         "AP_DEV_JWT_SECRET": "x" * 32,
-        "AP_PUBLISH_SECRET": "p",
+        "AP_PUBLISH_SECRET": "p" * 16,
         "AP_NODE_ID": "node-a",
     }
     settings = parse(["--port", "9100"], environ)
     assert settings.port == 9100
     assert settings.http_port == 9001 and settings.host == "0.0.0.0"
     assert settings.presence_debounce_ms == 250
-    assert settings.dev_jwt_secret == "x" * 32 and settings.publish_secret == "p"
+    assert settings.dev_jwt_secret == "x" * 32 and settings.publish_secret == "p" * 16
     assert settings.node_id == "node-a"
 
 

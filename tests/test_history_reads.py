@@ -90,7 +90,12 @@ async def test_batches_are_capped_in_size_and_in_number_out_at_once() -> None:
     reads = HistoryReads(streams, batch_size=4, in_flight=2)
     streams.hold.clear()
     tasks = [asyncio.create_task(reads.read(f"game:chess#g{i}", 0)) for i in range(11)]
-    await asyncio.sleep(0.01)
+    # Until two batches are out (held there), however slowly the loop gets to them.
+    for _ in range(3000):
+        if len(streams.batches) >= 2:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # room for a wrong third one
     assert [len(batch) for batch in streams.batches] == [4, 4]
     assert reads.queued == 3
     streams.hold.set()

@@ -71,9 +71,11 @@ async def test_metrics_are_served_with_the_exposition_content_type(server: Runni
 
 
 async def test_status_shows_what_metrics_show(server: RunningServer) -> None:
-    await server.subscribed("alice", games=[("chess", "g1")])
+    alice = await server.subscribed("alice", games=[("chess", "g1")])
     await server.subscribed("alice", games=[("chess", "g2")])
     await server.subscribed("bob")
+    # Both joins committed (seq moved), so /status and /metrics read the same seq.
+    await alice.wait_for(lambda: alice.presence.visible == {"alice", "bob"})
     status, body = await server.http("GET", "/status", secret=None)
     assert status == 200 and isinstance(body, dict)
     _, text = await server.http("GET", "/metrics", secret=None)

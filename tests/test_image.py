@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+import server as server_package
 from tests.client import DEV_SECRET, Client
 from tests.services import free_port
 
@@ -39,6 +40,12 @@ def chroot_command(
     image_env = dict(item.split("=", 1) for item in config["Env"])
     merged = [f"{k}={v}" for k, v in {**image_env, **env}.items()]
     return ["chroot", f"--userspec={user}", mount, "/usr/bin/env", "-i", *merged, *argv]
+
+
+def packages_in(mount: str) -> set[str]:
+    """The top-level packages in the image's virtual environment."""
+    (site,) = Path(mount).glob("opt/ap-realtime/lib/python3*/site-packages")
+    return {path.parent.name for path in site.glob("*/__init__.py")}
 
 
 async def http_status(url: str) -> int | None:
@@ -69,6 +76,8 @@ async def test_the_image_runs_ap_realtime_serve_from_ap_variables_as_a_non_root_
     assert config["User"].split(":")[0] not in ("", "0", "root")
     assert "AP_HOST=0.0.0.0" in config["Env"]
     assert health["Test"][0] == "CMD" and "/healthz" in health["Test"][-1]
+    labels = json.loads(podman("image", "inspect", TAG, "--format", "{{json .Labels}}"))
+    assert labels["org.opencontainers.image.version"] == server_package.__version__
 
     port, http_port = free_port(), free_port()
     env = {
@@ -80,19 +89,20 @@ async def test_the_image_runs_ap_realtime_serve_from_ap_variables_as_a_non_root_
     }
     mount = podman("image", "mount", TAG)
     try:
+        # The server's packages, and not the load tester (it runs from a checkout).
+        installed = packages_in(mount)
+        assert {"server", "protocol"} <= installed and "loadtest" not in installed
         server = await asyncio.create_subprocess_exec(
             *chroot_command(mount, config, env, *config["Entrypoint"]),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )
         try:
-            for _ in range(300):
-                if await http_status(f"http://127.0.0.1:{http_port}/healthz") == 200:
-                    break
+            deadline = asyncio.get_running_loop().time() + 120
+            while await http_status(f"http://127.0.0.1:{http_port}/healthz") != 200:
                 assert server.returncode is None, "the image's server exited"
+                assert asyncio.get_running_loop().time() < deadline, "no /healthz in 120 s"
                 await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("no /healthz from the image's server in 30 s")
 
             # The image's own HEALTHCHECK command, run inside it.
             check = await asyncio.create_subprocess_exec(

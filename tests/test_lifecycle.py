@@ -60,7 +60,7 @@ async def test_sync_presence_sends_a_fresh_snapshot(server: RunningServer) -> No
     await alice.wait_for(lambda: alice.presence.visible == {"alice"})
     await server.subscribed("bob")
     await alice.wait_for(lambda: alice.presence.visible == {"alice", "bob"})
-    await alice.barrier()
+    await alice.sync_presence()
     snapshot = alice.of_verb("connections")[-1]["payload"]
     assert snapshot["type"] == "snapshot"
     assert sorted(snapshot["visibleUserIds"]) == ["alice", "bob"]

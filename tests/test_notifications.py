@@ -19,7 +19,7 @@ from server.config import Settings
 from server.ingress.notifications import notification_of
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
-from tests.services import redis_url_for_tests
+from tests.services import RedisServer
 from tests.test_table_stream import enable_stream, put_notification
 
 
@@ -166,34 +166,34 @@ def test_only_inserts_of_notification_rows_become_notifications() -> None:
 
 
 async def test_after_a_restart_the_checkpoint_resumes_where_it_stopped(
-    dynamodb_endpoint: str, raw: Any, stream_table: str
+    dynamodb_endpoint: str, raw: Any, stream_table: str, fresh_redis: RedisServer
 ) -> None:
     """Redis keeps the user stream's history, so a client that was away recovers exactly."""
-    with redis_url_for_tests() as redis_url:
-        settings = settings_for(dynamodb_endpoint, stream_table, redis_url=redis_url)
-        async with run_server(settings) as running:
-            await reading(running)
-            tab = await running.subscribed("alice", since={})
-            for n in (1, 2):
-                put_notification(raw, stream_table, "alice", n)
-            await tab.wait_for(lambda: len(notifications(tab)) == 2, within=10)
-            last = notifications(tab)[-1]
-        for n in (3, 4):  # while no node reads the stream
+    redis_url = fresh_redis.url  # nodes: the worker's own Redis (fixed channels)
+    settings = settings_for(dynamodb_endpoint, stream_table, redis_url=redis_url)
+    async with run_server(settings) as running:
+        await reading(running)
+        tab = await running.subscribed("alice", since={})
+        for n in (1, 2):
             put_notification(raw, stream_table, "alice", n)
-        async with run_server(settings) as running:
-            since = {"user:alice": {"epoch": last["epoch"], "offset": last["offset"]}}
-            deadline = time.monotonic() + 15
-            while True:  # the reader resumes on its own; poll with recovery until both are in
-                again = await running.subscribed("alice", since=since)
-                answer = await again.wait_recovered("user:alice")
-                if answer["offset"] >= last["offset"] + 2 or time.monotonic() > deadline:
-                    break
-                await again.close()
-                await asyncio.sleep(0.3)
-            assert answer["recovered"] is True
-            assert numbers(again) == [3, 4]  # none skipped, none pushed twice
-            put_notification(raw, stream_table, "alice", 5)
-            await again.wait_for(lambda: len(notifications(again)) == 3, within=10)
-            await asyncio.sleep(0.5)
-            assert numbers(again) == [3, 4, 5]
-            assert [m["offset"] for m in notifications(again)] == [3, 4, 5]
+        await tab.wait_for(lambda: len(notifications(tab)) == 2, within=10)
+        last = notifications(tab)[-1]
+    for n in (3, 4):  # while no node reads the stream
+        put_notification(raw, stream_table, "alice", n)
+    async with run_server(settings) as running:
+        since = {"user:alice": {"epoch": last["epoch"], "offset": last["offset"]}}
+        deadline = time.monotonic() + 15
+        while True:  # the reader resumes on its own; poll with recovery until both are in
+            again = await running.subscribed("alice", since=since)
+            answer = await again.wait_recovered("user:alice")
+            if answer["offset"] >= last["offset"] + 2 or time.monotonic() > deadline:
+                break
+            await again.close()
+            await asyncio.sleep(0.3)
+        assert answer["recovered"] is True
+        assert numbers(again) == [3, 4]  # none skipped, none pushed twice
+        put_notification(raw, stream_table, "alice", 5)
+        await again.wait_for(lambda: len(notifications(again)) == 3, within=10)
+        await asyncio.sleep(0.5)
+        assert numbers(again) == [3, 4, 5]
+        assert [m["offset"] for m in notifications(again)] == [3, 4, 5]

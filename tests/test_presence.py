@@ -100,7 +100,7 @@ async def test_connect_and_disconnect_inside_one_window_produce_nothing(
     flapper = await server.subscribed("flapper")
     await flapper.close()
     await asyncio.sleep(1.5)
-    await watcher.barrier()
+    await watcher.sync_presence()
     assert watcher.presence.seq == seq
     assert all("flapper" not in d["joins"] + d["leaves"] for d in deltas(watcher))
 

@@ -166,7 +166,11 @@ async def test_publish_is_disabled_without_a_secret(server: RunningServer) -> No
     assert status == 503 and "publish-secret" in response["error"]  # type: ignore[index]
 
 
-@pytest.mark.parametrize("server", [{"outbox_limit_bytes": 256 * 1024}], indirect=True)
+# The close frame waits behind the full socket until the test reads again; with a
+# short close timeout, a slow loop of publishes would see the socket dropped (1006).
+@pytest.mark.parametrize(
+    "server", [{"outbox_limit_bytes": 256 * 1024, "close_timeout": 120.0}], indirect=True
+)
 async def test_a_slow_client_is_closed_and_delays_nobody(server: RunningServer) -> None:
     slow = await server.client(max_queue=1)
     await slow.subscribe("slow", games=[("chess", "g1")])

@@ -124,7 +124,7 @@ async def test_a_repeated_watch_games_writes_no_row_and_delivery_goes_on() -> No
         rows = len(store.batches)
         for _ in range(3):
             await client.watch([("chess", "g1")])
-        await client.roundtrip()
+        await client.barrier()
         await server.node.registry.drained()
         assert writes == [] and len(store.batches) == rows
         status, _ = await server.publish(
@@ -133,6 +133,6 @@ async def test_a_repeated_watch_games_writes_no_row_and_delivery_goes_on() -> No
         assert status == 202
         await client.wait_for(lambda: client.offsets("game:chess#g1") == [1])
         await client.watch([("chess", "g2")])
-        await client.roundtrip()
+        await client.barrier()
         await server.node.registry.drained()
         assert writes == [frozenset({"chess#g2"})]

@@ -20,7 +20,7 @@ import pytest
 
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
-from tests.services import DynamoFaultProxy, redis_url_for_tests
+from tests.services import DynamoFaultProxy, RedisServer
 
 
 def sqs_client(endpoint: str) -> Any:
@@ -228,7 +228,7 @@ async def test_a_user_event_in_the_queue_reaches_every_tab_of_its_user(
 
 
 async def test_one_message_handed_to_two_pollers_of_one_node_is_published_once(
-    dynamodb_endpoint: str, queue: str
+    dynamodb_endpoint: str, queue: str, fresh_redis: RedisServer
 ) -> None:
     """SQS (and moto, whose receive is not atomic across threads) may give one message to
     two concurrent receives; both are this node's pollers, and one publish must come of it.
@@ -244,23 +244,23 @@ async def test_one_message_handed_to_two_pollers_of_one_node_is_published_once(
         dynamodb_endpoint=dynamodb_endpoint,
         table=await new_table(dynamodb_endpoint),
     )
-    with redis_url_for_tests() as redis_url:
-        async with run_server(dataclasses.replace(settings, redis_url=redis_url)) as running:
-            bridge = running.node.services[0]
-            assert isinstance(bridge, SqsBridge)
-            watcher = await running.subscribed("bob", games=[("chess", "g1")])
-            body = json.dumps({"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 9}})
-            message_id = str(uuid.uuid4())
-            copies = [_Received(message_id, f"receipt-{i}", body, None) for i in range(2)]
-            await asyncio.gather(*(bridge._handle([copy]) for copy in copies))
-            await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
-            await asyncio.sleep(0.5)
-            await watcher.barrier()
-            assert game_events(watcher) == [{"meta": "chess", "id": "g1", "n": 9}]
+    redis_url = fresh_redis.url  # nodes: the worker's own Redis (fixed channels)
+    async with run_server(dataclasses.replace(settings, redis_url=redis_url)) as running:
+        bridge = running.node.services[0]
+        assert isinstance(bridge, SqsBridge)
+        watcher = await running.subscribed("bob", games=[("chess", "g1")])
+        body = json.dumps({"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 9}})
+        message_id = str(uuid.uuid4())
+        copies = [_Received(message_id, f"receipt-{i}", body, None) for i in range(2)]
+        await asyncio.gather(*(bridge._handle([copy]) for copy in copies))
+        await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
+        await asyncio.sleep(0.5)
+        await watcher.barrier()
+        assert game_events(watcher) == [{"meta": "chess", "id": "g1", "n": 9}]
 
 
 async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate(
-    dynamodb_endpoint: str, queue: str
+    dynamodb_endpoint: str, queue: str, fresh_redis: RedisServer
 ) -> None:
     """The kill window: a consumer claims and publishes, then dies (no complete, no
     delete). Its claim expires, the message comes back and the bridge publishes it
@@ -270,71 +270,71 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
     from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
     from server.redis.client import make_client
 
-    # Names of this test's own: .ci/run shares one Redis between tests, and the
-    # offsets asserted below count from the stream's first event.
+    # Names of this test's own: the offsets asserted below count from the stream's
+    # first event.
     tag = uuid.uuid4().hex[:8]
     game, stream, users = f"g-{tag}", f"game:chess#g-{tag}", (f"b1-{tag}", f"b2-{tag}")
     move = {"verb": "game", "payload": {"meta": "chess", "id": game, "n": 1}}
     turn = {"verb": "yourTurn", "payload": {"meta": "chess", "id": game}, "users": list(users)}
-    with redis_url_for_tests() as redis_url:
-        settings = dataclasses.replace(TEST_SETTINGS, redis_url=redis_url)
-        async with run_server(settings) as running:
-            watcher = await running.subscribed("bob", games=[("chess", game)], since={})
-            bots = [await running.subscribed(user, since={}) for user in users]
-            for body in (move, turn):
-                await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
-            # The doomed consumer: receive, claim, publish, and die right there.
-            received = await asyncio.to_thread(
-                sqs_client(dynamodb_endpoint).receive_message,
-                QueueUrl=queue,
-                MaxNumberOfMessages=10,
-                VisibilityTimeout=1,
+    redis_url = fresh_redis.url  # nodes: the worker's own Redis (fixed channels)
+    settings = dataclasses.replace(TEST_SETTINGS, redis_url=redis_url)
+    async with run_server(settings) as running:
+        watcher = await running.subscribed("bob", games=[("chess", game)], since={})
+        bots = [await running.subscribed(user, since={}) for user in users]
+        for body in (move, turn):
+            await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+        # The doomed consumer: receive, claim, publish, and die right there.
+        received = await asyncio.to_thread(
+            sqs_client(dynamodb_endpoint).receive_message,
+            QueueUrl=queue,
+            MaxNumberOfMessages=10,
+            VisibilityTimeout=1,
+        )
+        messages = received["Messages"]
+        assert len(messages) == 2
+        doomed = RedisDedup(make_client(redis_url, retries=1))
+        keys = [DEDUP_PREFIX + m["MessageId"] for m in messages]
+        assert await doomed.claim(keys, "doomed/1", 1.0) == [Claim.CLAIMED] * 2
+        for message in messages:
+            await running.node.publish(
+                parse_broadcast(message["Body"]),
+                require_cluster=True,
+                event_id=message["MessageId"],
             )
-            messages = received["Messages"]
-            assert len(messages) == 2
-            doomed = RedisDedup(make_client(redis_url, retries=1))
-            keys = [DEDUP_PREFIX + m["MessageId"] for m in messages]
-            assert await doomed.claim(keys, "doomed/1", 1.0) == [Claim.CLAIMED] * 2
-            for message in messages:
-                await running.node.publish(
-                    parse_broadcast(message["Body"]),
-                    require_cluster=True,
-                    event_id=message["MessageId"],
-                )
-            await doomed.close()
-            await asyncio.sleep(1.2)  # visibility and claim both expired: the kill window
-            bridge = SqsBridge(
-                running.node.publish,
-                running.node.bus,
-                RedisDedup(make_client(redis_url, retries=1)),
-                queue,
-                node_id=running.node.node_id,
-                region=TEST_REGION,
-                endpoint_url=dynamodb_endpoint,
-                pollers=1,
-                wait_seconds=1,
-                visibility_seconds=2,
-                metrics=running.node.metrics,
-            )
-            published = running.node.metrics.value("ap_sqs_messages_published_total")
-            await bridge.start()
-            try:
-                await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 15, "empty")
-            finally:
-                await bridge.stop()
-            # The second consumer did publish both again...
-            assert running.node.metrics.value("ap_sqs_messages_published_total") - published == 2
-            status, reply = await running.publish(
-                {"verb": "game", "payload": {"meta": "chess", "id": game, "n": 2}}
-            )
-            assert status == 202 and isinstance(reply, dict)
-            # ...and neither took a second position, nor reached anyone twice.
-            assert reply["positions"][stream]["offset"] == 2
-            await watcher.wait_for(lambda: len(watcher.on_stream(stream)) >= 2)
-            for client in (watcher, *bots):
-                await client.barrier()
-            assert [e["n"] for e in game_events(watcher)] == [1, 2]
-            assert watcher.offsets(stream) == [1, 2]
-            for bot, user in zip(bots, users, strict=True):
-                assert len(bot.of_verb("yourTurn")) == 1
-                assert bot.offsets(f"user:{user}") == [1]
+        await doomed.close()
+        await asyncio.sleep(1.2)  # visibility and claim both expired: the kill window
+        bridge = SqsBridge(
+            running.node.publish,
+            running.node.bus,
+            RedisDedup(make_client(redis_url, retries=1)),
+            queue,
+            node_id=running.node.node_id,
+            region=TEST_REGION,
+            endpoint_url=dynamodb_endpoint,
+            pollers=1,
+            wait_seconds=1,
+            visibility_seconds=2,
+            metrics=running.node.metrics,
+        )
+        published = running.node.metrics.value("ap_sqs_messages_published_total")
+        await bridge.start()
+        try:
+            await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 15, "empty")
+        finally:
+            await bridge.stop()
+        # The second consumer did publish both again...
+        assert running.node.metrics.value("ap_sqs_messages_published_total") - published == 2
+        status, reply = await running.publish(
+            {"verb": "game", "payload": {"meta": "chess", "id": game, "n": 2}}
+        )
+        assert status == 202 and isinstance(reply, dict)
+        # ...and neither took a second position, nor reached anyone twice.
+        assert reply["positions"][stream]["offset"] == 2
+        await watcher.wait_for(lambda: len(watcher.on_stream(stream)) >= 2)
+        for client in (watcher, *bots):
+            await client.barrier()
+        assert [e["n"] for e in game_events(watcher)] == [1, 2]
+        assert watcher.offsets(stream) == [1, 2]
+        for bot, user in zip(bots, users, strict=True):
+            assert len(bot.of_verb("yourTurn")) == 1
+            assert bot.offsets(f"user:{user}") == [1]

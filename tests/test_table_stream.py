@@ -161,6 +161,22 @@ async def until(check: Callable[[], bool], within: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def checkpoints_of(
+    store: DynamoStore, arn: str, within: float, at: Recorder | None = None
+) -> dict[str, ShardCheckpoint]:
+    """The stream's checkpoints, once there is one (at the last record ``at`` got)."""
+    wanted = at.records[-1]["dynamodb"]["SequenceNumber"] if at is not None else None
+    deadline = time.monotonic() + within
+    while True:
+        checkpoints = await store.stream_checkpoints(arn)
+        numbers = {c.sequence_number for c in checkpoints.values()}
+        if checkpoints and (wanted is None or wanted in numbers):
+            return checkpoints
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no checkpoint at {wanted} after {within:g}s: {checkpoints}")
+        await asyncio.sleep(0.05)
+
+
 async def test_a_first_start_begins_at_the_latest_record(
     dynamodb_endpoint: str, raw: Any, streamed: tuple[str, DynamoStore]
 ) -> None:
@@ -174,11 +190,12 @@ async def test_a_first_start_begins_at_the_latest_record(
         put_notification(raw, table, "alice", 1)
         raw.put_item(TableName=table, Item={"pk": {"S": "GAME"}, "sk": {"S": "g1"}})
         await until(lambda: len(recorder.records) >= 2, 20, "two records")
+        # Delivered first, checkpointed after: wait for the checkpoint too.
+        arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
+        checkpoints = await checkpoints_of(store, arn, 20)
     finally:
         await reader.stop()
     assert recorder.numbers() == [1]
-    arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
-    checkpoints = await store.stream_checkpoints(arn)
     assert len(checkpoints) == 1 and next(iter(checkpoints.values())).sequence_number
 
 
@@ -193,6 +210,10 @@ async def test_a_restart_resumes_at_the_checkpoint(
     for n in range(3):
         put_notification(raw, table, "bob", n)
     await until(lambda: len(first.numbers()) == 3, 20, "three rows")
+    # Delivered first, checkpointed after: stopped before the checkpoint, the next
+    # reader would read them again (at least once, by design).
+    arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
+    await checkpoints_of(store, arn, 20, at=first)
     await reader.stop()
     for n in range(3, 6):  # written while no reader runs
         put_notification(raw, table, "bob", n)
@@ -233,10 +254,7 @@ async def test_one_reader_at_a_time_and_a_handover_skips_nothing(
                 put_notification(raw, table, "carol", n)
             await until(lambda: len(recorders[active].numbers()) == 3, 20, "three rows")
             arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
-            for _ in range(200):  # their checkpoint is written right after them
-                if any(c.sequence_number for c in (await store.stream_checkpoints(arn)).values()):
-                    break
-                await asyncio.sleep(0.05)
+            await checkpoints_of(store, arn, 20, at=recorders[active])
             # The active reader dies without a goodbye: its lease lapses. (Killed between
             # publishing and checkpointing, it would leave them to be read again: the
             # notification push's dedup keys catch that, not the reader.)

@@ -473,8 +473,11 @@ class Run:
         """Let the browsers' repeated watchGames land before measuring."""
         await self.wait_timed("settling", max(WATCH_REPEATS) + 0.6)
 
-    async def drain(self, expected: int, label: str = "draining", quiet: float = 1.0) -> None:
-        """Wait until every expected game event arrived, or none arrived for ``quiet`` s."""
+    async def drain(self, expected: int, label: str = "draining", quiet: float = 5.0) -> None:
+        """Wait until every expected game event arrived, or none arrived for ``quiet`` s.
+
+        ``quiet`` costs nothing when all arrive; it is what separates "late" from
+        "lost", so it is long: a starved machine pauses deliveries for over a second."""
         last = -1
         still_since = time.monotonic()
         deadline = time.monotonic() + 20

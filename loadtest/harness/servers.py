@@ -27,7 +27,8 @@ from loadtest.clients.http import get
 from loadtest.harness.procstat import cpu_seconds, rss_bytes, run_delay_seconds
 
 HOST = "127.0.0.1"
-REPO_ROOT = Path(__file__).resolve().parents[2]  # loadtest/harness/servers.py
+REPO_ROOT = Path(__file__).resolve().parents[2]
+"""The checkout: children run there, with it on their path (loadtest/ is not installed)."""
 FAKE_AWS = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

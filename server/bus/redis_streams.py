@@ -72,6 +72,11 @@ APPEND = lua("server.bus", "stream_append")
 READ = lua("server.bus", "stream_read")
 
 
+def _ms(seconds: float) -> int:
+    """A ttl for ``PEXPIRE``: milliseconds, at least one."""
+    return max(1, round(seconds * 1000))
+
+
 def meta_key(stream: str) -> str:
     return "ap:{" + stream + "}:meta"
 
@@ -133,10 +138,10 @@ class RedisStreams:
         return [
             data,
             limits.history_size,
-            max(1, int(limits.history_ttl)),
-            max(1, int(limits.meta_ttl)),
+            _ms(limits.history_ttl),
+            _ms(limits.meta_ttl),
             new_epoch(),
-            max(1, int(id_window(limits, event_id))),
+            _ms(id_window(limits, event_id)),
             *[channel_for(topic) for topic in topics],
         ]
 
@@ -205,7 +210,7 @@ class RedisStreams:
 
     def _read_args(self, after: int) -> list[Any]:
         limits = self._limits
-        return [after, limits.history_size, new_epoch(), max(1, int(limits.meta_ttl))]
+        return [after, limits.history_size, new_epoch(), _ms(limits.meta_ttl)]
 
     async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
         keys = [meta_key(stream), history_key(stream)]

@@ -1,9 +1,10 @@
 """Fixtures: a fresh Redis, table and three node processes for each test.
 
-``cluster`` runs over one ``redis-server`` by default; a module that
-parametrizes it indirectly with ``"redis-cluster"`` runs the same tests over
-the session's six-instance Redis Cluster (the nodes' keys and channels are
-namespaced by nothing but the table, so each test flushes the cluster first).
+``cluster`` runs over the worker's ``redis-server``, emptied for the test (which
+may restart it); a module that parametrizes it indirectly with
+``"redis-cluster"`` runs the same tests over the worker's six-instance Redis
+Cluster (the nodes' keys and channels are namespaced by nothing but the table,
+so each test flushes the cluster first).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from loadtest.harness.redis_cluster import RedisCluster
 from server.store.dynamodb import create_table
 from tests.cluster.harness import REGION, Cluster, new_workdir, remove_workdir
-from tests.services import RedisServer, start_redis_server
+from tests.services import RedisServer
 
 NODES = ("n1", "n2", "n3")
 
@@ -39,37 +40,32 @@ FAILED = pytest.StashKey[bool]()
 
 @contextlib.contextmanager
 def redis_for(request: pytest.FixtureRequest) -> Iterator[RedisServer | RedisCluster]:
-    """The test's Redis by its parameter: a fresh one of its own (it may restart
-    it), stopped afterwards, or the session's Redis Cluster, emptied."""
+    """The test's Redis by its parameter: the worker's ``redis-server``, emptied (the
+    test may restart it), or the worker's Redis Cluster, emptied."""
     if getattr(request, "param", "redis") == "redis-cluster":
         shared: RedisCluster = request.getfixturevalue("shared_redis_cluster")
         shared.flush()
         yield shared
         return
-    redis = start_redis_server()
-    try:
-        yield redis
-    finally:
-        redis.stop()
+    redis: RedisServer = request.getfixturevalue("fresh_redis")
+    yield redis
 
 
 @pytest.fixture
 async def cluster(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> AsyncIterator[Cluster]:
-    """Three started nodes on one Redis of the test's own (it may restart it)."""
+    """Three started nodes on a Redis emptied for the test (it may restart it)."""
     with redis_for(request) as redis:
         async with nodes_on(redis, request, dynamodb_endpoint, NODES) as running:
             yield running
 
 
 @pytest.fixture
-async def pair(request: pytest.FixtureRequest, dynamodb_endpoint: str) -> AsyncIterator[Cluster]:
+async def pair(
+    request: pytest.FixtureRequest, dynamodb_endpoint: str, fresh_redis: RedisServer
+) -> AsyncIterator[Cluster]:
     """A Redis and a table with no node started: the test starts its own (two, say)."""
-    redis = start_redis_server()
-    try:
-        async with nodes_on(redis, request, dynamodb_endpoint, ()) as running:
-            yield running
-    finally:
-        redis.stop()
+    async with nodes_on(fresh_redis, request, dynamodb_endpoint, ()) as running:
+        yield running
 
 
 @contextlib.asynccontextmanager

@@ -159,7 +159,7 @@ class Cluster:
             return make_cluster_client(self.redis.url)
         return aioredis.Redis.from_url(self.redis.url)
 
-    async def start(self, *names: str, within: float = 30.0, **overrides: Any) -> None:
+    async def start(self, *names: str, within: float = 90.0, **overrides: Any) -> None:
         """Spawn the named nodes (with ``overrides`` of their settings) and wait for each."""
         for name in names:
             self.spawn(name, **overrides)
@@ -176,7 +176,7 @@ class Cluster:
                 self.spawn(name, **overrides)
                 await self.wait_ready(name, within)
 
-    async def wait_ready(self, name: str, within: float = 30.0) -> None:
+    async def wait_ready(self, name: str, within: float = 90.0) -> None:
         node = self.nodes[name]
         deadline = time.monotonic() + within
         while await self.readyz(name) != 200:
@@ -305,11 +305,12 @@ class Cluster:
     async def close(self) -> None:
         for client in self.clients:
             await self.close_client(client)
-        for name, node in self.nodes.items():
-            if node.process.poll() is None:
-                with contextlib.suppress(OSError):
-                    node.process.send_signal(signal.SIGCONT)
-                await self.terminate(name)
+        running = [name for name, node in self.nodes.items() if node.alive]
+        for name in running:
+            with contextlib.suppress(OSError):
+                self.nodes[name].process.send_signal(signal.SIGCONT)  # a paused one too
+        # All at once: each drains for DRAIN_SECONDS, and none waits for another.
+        await asyncio.gather(*(self.terminate(name) for name in running))
         if self._http is not None:
             await self._http.close()
 

@@ -27,7 +27,7 @@ from tests.cluster.harness import (
     remove_workdir,
     wait_visible,
 )
-from tests.services import start_redis_server
+from tests.services import RedisServer
 from tests.tokens import BOT_SCOPE, Pool
 
 BOT = "cluster-bot"
@@ -70,8 +70,8 @@ class BotCluster:
 
 
 @pytest.fixture
-async def bots(dynamodb_endpoint: str) -> AsyncIterator[BotCluster]:
-    redis = start_redis_server()
+async def bots(dynamodb_endpoint: str, fresh_redis: RedisServer) -> AsyncIterator[BotCluster]:
+    redis = fresh_redis
     table = f"cluster-{uuid.uuid4().hex[:12]}"
     await create_table(dynamodb_endpoint, table, REGION)
     workdir = new_workdir()
@@ -103,7 +103,6 @@ async def bots(dynamodb_endpoint: str) -> AsyncIterator[BotCluster]:
         await cluster.close()
         if failed or os.environ.get("AP_CLUSTER_LOGS"):
             print(cluster.logs())
-        redis.stop()
         remove_workdir(workdir)
 
 
@@ -132,7 +131,7 @@ async def test_a_bot_on_any_node_gets_its_pending_turns_and_stays_out_of_presenc
     )
     await bot.next_message(lambda m: m["verb"] == "game", within=10)
     await asyncio.sleep(DEBOUNCE_MS / 1000 * 3)  # time for a (wrong) join of the bot
-    await alice.barrier()
+    await alice.sync_presence()
     assert alice.presence.visible == {"alice"} and alice.presence.server_total == 1
 
 

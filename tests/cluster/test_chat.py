@@ -13,19 +13,19 @@ import pytest
 from server.store.dynamodb import create_table
 from tests.chat_helpers import chat_message, post, replies
 from tests.client import Client
-from tests.cluster.harness import REGION, Cluster, new_workdir, remove_workdir
-from tests.services import start_redis_server
+from tests.cluster.harness import REGION, SLACK, Cluster, eventually, new_workdir, remove_workdir
+from tests.services import RedisServer
 
 GAME = ("chess", "g1")
 
 
 @pytest.fixture
 async def chat_cluster(
-    request: pytest.FixtureRequest, dynamodb_endpoint: str
+    request: pytest.FixtureRequest, dynamodb_endpoint: str, fresh_redis: RedisServer
 ) -> AsyncIterator[Cluster]:
     """Two nodes; ``chat_rate`` from the test's parameter (default 20)."""
     rate = getattr(request, "param", 20)
-    redis = start_redis_server()
+    redis = fresh_redis
     table = f"chat-{uuid.uuid4().hex[:12]}"
     await create_table(dynamodb_endpoint, table, REGION)
     workdir = new_workdir()
@@ -42,7 +42,6 @@ async def chat_cluster(
         await running.close()
         if failed:
             print(running.logs())
-        redis.stop()
         remove_workdir(workdir)
 
 
@@ -157,17 +156,15 @@ async def test_last_seen_is_written_once_across_nodes(chat_cluster: Cluster, raw
         item = raw.get_item(TableName=chat_cluster.table, Key=key, ConsistentRead=True)["Item"]
         return int(item["lastSeen"]["N"]) if "lastSeen" in item else None
 
-    for _ in range(50):
-        if last_seen() is not None:
-            break
-        await asyncio.sleep(0.1)
-    assert last_seen() is not None
+    await eventually(lambda: last_seen() is not None, 5 + SLACK, "the first lastSeen")
     raw.put_item(
         TableName=chat_cluster.table, Item={**key, "name": {"S": "Alice"}, "lastSeen": {"N": "1"}}
     )
-    for _ in range(5):
-        for tab in tabs:
-            await tab.barrier()  # a syncPresence each
+    # Seen again on both nodes: a syncPresence on every tab, and a new tab on each node.
+    for tab in tabs:
+        await tab.sync_presence()
+    for name in ("n1", "n2"):
+        await chat_cluster.client(name, "alice")
     await asyncio.sleep(1.0)
     assert last_seen() == 1
     writes = [await metric(chat_cluster, n, "ap_last_seen_writes_total") for n in ("n1", "n2")]

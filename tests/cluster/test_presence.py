@@ -41,7 +41,7 @@ async def test_one_stream_and_one_state_on_every_node(cluster: Cluster) -> None:
     expected -= {"user0", "user5"}
     for observer in observers:
         await wait_visible(observer, expected, 5 + SLACK, "leaves")
-        await observer.barrier()
+        await observer.sync_presence()
     seqs = {observer.presence.seq for observer in observers}
     assert len(seqs) == 1, "every node shows the same seq"
     for observer in observers:

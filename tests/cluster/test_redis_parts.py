@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import msgpack
 import pytest
@@ -24,16 +24,12 @@ from server.presence.redis import RedisPresenceBackend
 from server.redis.keys import channel_for
 from server.store.memory import MemoryStore
 from tests.cluster.harness import eventually
-from tests.services import RedisServer, free_port, start_redis_server
+from tests.services import RedisServer, free_port
 
 
 @pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = start_redis_server()
-    try:
-        yield server
-    finally:
-        server.stop()
+def redis_server(fresh_redis: RedisServer) -> RedisServer:
+    return fresh_redis
 
 
 class Inbox:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.crc import key_slot
 
-from loadtest.harness.redis_cluster import RedisCluster
+from loadtest.harness.redis_cluster import RedisCluster, redis_cli
 from protocol.envelope import decode_positioned
 from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.redis_streams import RedisStreams
@@ -86,34 +86,58 @@ async def test_ask_and_moved_are_followed_while_a_slot_moves(
     assert await run("DEL", f"{tag}:a", f"{tag}:b") == 2
 
 
+def replica_of(redis: RedisCluster, primary: int) -> int:
+    """Port of the replica of the primary on port ``primary``."""
+    primary_id = redis.node_id(primary)
+    for line in redis_cli(primary, "cluster", "nodes").splitlines():
+        parts = line.split()
+        if len(parts) > 3 and "slave" in parts[2] and parts[3] == primary_id:
+            return int(parts[1].split("@")[0].rsplit(":", 1)[1])
+    raise AssertionError(f"no replica of {primary}")
+
+
 async def test_a_primary_that_stops_answering_is_given_up_on_and_retried(
     shared_redis_cluster: RedisCluster,
 ) -> None:
     """SIGSTOP: the socket stays open and silent, with no reset to notice. The
     command waiting on it fails after the stall timeout and is sent again (the
     frozen primary even takes new connections, and never answers their
-    handshake); once the primary answers, it succeeds. Shorter than the
-    cluster's node timeout, so no failover."""
+    handshake); once the primary answers, it succeeds.
+
+    The primary stays frozen until two retries were counted, however long that
+    takes a starved test process, and its replica is told not to take over
+    meanwhile: no timing decides the verdict."""
     redis = shared_redis_cluster
     redis.wait_ok()
     tag = "{pipes-" + uuid.uuid4().hex[:8] + "}"
     slot = key_slot(tag.encode())
-    process = redis.instance(redis.owner(slot)).process
+    primary = redis.owner(slot)
+    replica = replica_of(redis, primary)
+    process = redis.instance(primary).process
     assert process is not None
     client = make_cluster_client(redis.url)
     metrics = Registry()
     pipes = ShardPipes(client, stall_timeout=0.2, metrics=metrics)
     await pipes.start()
     retried = metrics.value("ap_bus_failover_retries_total")
+    assert redis_cli(replica, "config", "set", "cluster-replica-no-failover", "yes").strip() == "OK"
     try:
         assert await pipes.execute(slot, ("SET", f"{tag}:a", "1"), time.monotonic() + 5) == b"OK"
         process.send_signal(signal.SIGSTOP)
-        asyncio.get_running_loop().call_later(0.7, process.send_signal, signal.SIGCONT)
-        reply = await pipes.execute(slot, ("GET", f"{tag}:a"), time.monotonic() + 5)
-        assert reply == b"1"
-        assert metrics.value("ap_bus_failover_retries_total") >= retried + 2
+        reading = asyncio.create_task(
+            pipes.execute(slot, ("GET", f"{tag}:a"), time.monotonic() + 60)
+        )
+        await eventually(
+            lambda: metrics.value("ap_bus_failover_retries_total") >= retried + 2,
+            30,
+            "two retries while the primary is frozen",
+        )
+        assert not reading.done(), "answered while the primary was frozen"
+        process.send_signal(signal.SIGCONT)
+        assert await reading == b"1"
     finally:
         process.send_signal(signal.SIGCONT)
+        redis_cli(replica, "config", "set", "cluster-replica-no-failover", "no")
         await pipes.close()
         await client.aclose()
-    redis.wait_ok()
+    await asyncio.to_thread(redis.wait_ok)

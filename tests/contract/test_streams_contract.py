@@ -50,6 +50,11 @@ class Pair:
 
 PairFactory = Callable[[StreamLimits], Awaitable[Pair]]
 
+SHORT_TTL = 0.2
+PAST_SHORT_TTL = 0.3
+"""A sleep lasts at least this long, however loaded the machine: past it, what was
+given ``SHORT_TTL`` is gone (Redis expires in milliseconds, memory by the clock)."""
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
@@ -140,10 +145,10 @@ async def test_history_keeps_only_the_last_size_events(new_pair: PairFactory, st
 async def test_history_expires_but_the_epoch_and_top_stay(
     new_pair: PairFactory, stream: str
 ) -> None:
-    pair = await new_pair(StreamLimits(history_ttl=1, meta_ttl=60))
+    pair = await new_pair(StreamLimits(history_ttl=SHORT_TTL, meta_ttl=60))
     epoch = (await pair.streams.append(stream, b"e1", ())).epoch
     await pair.streams.append(stream, b"e2", ())
-    await asyncio.sleep(2.1)  # Redis expires keys to the second
+    await asyncio.sleep(PAST_SHORT_TTL)
     read = await pair.streams.read(stream, 0)
     assert (read.epoch, read.top, read.entries) == (epoch, 2, ())
     after = await pair.streams.append(stream, b"e3", ())
@@ -154,9 +159,9 @@ async def test_history_expires_but_the_epoch_and_top_stay(
 async def test_a_stream_whose_meta_expired_starts_a_new_epoch(
     new_pair: PairFactory, stream: str
 ) -> None:
-    pair = await new_pair(StreamLimits(history_ttl=1, meta_ttl=1))
+    pair = await new_pair(StreamLimits(history_ttl=SHORT_TTL, meta_ttl=SHORT_TTL))
     old = await pair.streams.append(stream, b"e1", ())
-    await asyncio.sleep(2.1)
+    await asyncio.sleep(PAST_SHORT_TTL)
     new = await pair.streams.append(stream, b"e2", ())
     assert new.epoch != old.epoch and new.offset == 1
     assert (await pair.streams.read(stream, 0)).entries == ((1, b"e2"),)
@@ -243,9 +248,9 @@ async def test_an_event_id_is_remembered_per_stream(new_pair: PairFactory) -> No
 
 
 async def test_an_event_id_is_forgotten_after_its_ttl(new_pair: PairFactory, stream: str) -> None:
-    pair = await new_pair(StreamLimits(event_id_ttl=1))
+    pair = await new_pair(StreamLimits(event_id_ttl=SHORT_TTL))
     first = await pair.streams.append(stream, b"e1", (), "msg-1")
-    await asyncio.sleep(2.1)  # Redis expires keys to the second
+    await asyncio.sleep(PAST_SHORT_TTL)
     later = await pair.streams.append(stream, b"e1", (), "msg-1")
     assert (first.offset, later.offset) == (1, 2)
 

@@ -1,7 +1,7 @@
 -- Assign the next position of a stream, keep the event in its history, publish it.
 -- KEYS: meta, history, and the event id's key if the append names its event.
--- ARGV: envelope, history size, history ttl s, meta ttl s, epoch to use if the
--- stream has none, the event id's window s, then the channels to publish on.
+-- ARGV: envelope, history size, history ttl ms, meta ttl ms, epoch to use if the
+-- stream has none, the event id's window ms, then the channels to publish on.
 -- Returns {epoch, offset}, and a third element, 1, if the event id was a repeat.
 if KEYS[3] then
   local seen = redis.call('GET', KEYS[3])
@@ -18,10 +18,10 @@ if not epoch then
 end
 local offset = redis.call('HINCRBY', KEYS[1], 's', 1)
 redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[2], offset .. '-0', 'd', ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
 if KEYS[3] then
-  redis.call('SET', KEYS[3], epoch .. ':' .. offset, 'EX', ARGV[6])
+  redis.call('SET', KEYS[3], epoch .. ':' .. offset, 'PX', ARGV[6])
 end
 local message = '\0' .. epoch .. '\0' .. offset .. '\0' .. ARGV[1]
 for i = 7, #ARGV do
