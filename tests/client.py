@@ -137,6 +137,11 @@ class Client:
         await self.wait_for(lambda: len(self.recovered(stream)) >= count, within)
         return self.recovered(stream)[count - 1]
 
+    @property
+    def frames_received(self) -> int:
+        """Every frame read from the server, the answers to :meth:`barrier` included."""
+        return len(self.messages) + len(self._answered)
+
     async def barrier(self, within: float = 5.0) -> None:
         """Returns once the server has handled everything sent before it.
 

@@ -52,8 +52,8 @@ async def test_two_nodes_in_one_process_each_show_their_own_connections_and_coun
             for client in server.clients:
                 await client.barrier()
         first, second = await scrape(one), await scrape(two)
-        assert first["ap_frames_sent_total"] == sum(len(c.messages) for c in one.clients)
-        assert second["ap_frames_sent_total"] == sum(len(c.messages) for c in two.clients)
+        assert first["ap_frames_sent_total"] == sum(c.frames_received for c in one.clients)
+        assert second["ap_frames_sent_total"] == sum(c.frames_received for c in two.clients)
         # /status reads the same registry.
         _, body = await one.http("GET", "/status", secret=None)
         assert isinstance(body, dict) and body["events"]["published"] == 1

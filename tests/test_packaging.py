@@ -1,5 +1,5 @@
-"""What is shipped: the wheel (and so the image) holds the server, not the load tester,
-which runs from a checkout with ``python -m loadtest``."""
+"""What is shipped: the wheel (and so the image) holds the server and the Python SDK, not
+the load tester, which runs from a checkout with ``python -m loadtest``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from loadtest.harness.servers import REPO_ROOT
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_wheel_holds_protocol_and_server_only() -> None:
+def test_the_wheel_holds_the_server_and_the_sdk_only() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     find = project["tool"]["setuptools"]["packages"]["find"]
     packages = setuptools.find_packages(where=str(ROOT), include=find["include"])
-    assert {name.split(".")[0] for name in packages} == {"protocol", "server"}
+    assert {name.split(".")[0] for name in packages} == {"protocol", "server", "apclient"}
     assert "server.ingress" in packages and "protocol" in packages
     # One version: the package's, as `ap-realtime --version` and the image label say.
     assert project["project"]["dynamic"] == ["version"]
