@@ -24,6 +24,7 @@ from apclient.events import (
 )
 from apclient.storage import FileStorage, MemoryStorage, Storage
 from apclient.tokens import ClientCredentials, TokenUnavailable, Unauthorized
+from protocol.messages import Ply
 
 __all__ = [
     "AnyEvent",
@@ -35,6 +36,7 @@ __all__ = [
     "FileStorage",
     "GamesRefused",
     "MemoryStorage",
+    "Ply",
     "Presence",
     "PresenceChange",
     "RealtimeClient",

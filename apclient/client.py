@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -29,7 +30,9 @@ from typing import Any, Generic, TypeVar
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.proxy import get_proxy
 from websockets.typing import Subprotocol
+from websockets.uri import parse_uri
 
 from apclient.events import (
     AnyEvent,
@@ -43,6 +46,7 @@ from apclient.events import (
     ServerError,
     State,
     Turn,
+    TurnSource,
 )
 from apclient.policy import Plan, Wait, close_plan, connect_plan, wait_seconds
 from apclient.presence import apply_presence
@@ -59,7 +63,7 @@ from apclient.streams import (
     Tracker,
 )
 from apclient.tokens import TokenUnavailable, Unauthorized, token_claims
-from apclient.turns import TurnTracker
+from apclient.turns import Candidate, TurnTracker
 from protocol.client import (
     ClientBound,
     GameRef,
@@ -92,6 +96,8 @@ from protocol.messages import (
     Skip,
     UserEvent,
     game_key,
+    ply_fields,
+    ply_of,
 )
 from protocol.streams import MAX_SINCE_STREAMS, game_stream, stream_user, user_stream
 
@@ -384,8 +390,8 @@ class RealtimeClient:
         waiting, a stopped one starts again."""
         if self._closed:
             return
+        # The backoff step stays: it resets only once a subscribe is acknowledged.
         self._refreshed = False
-        self._attempt = 0
         self._now = True
         if self._stopped:
             self.start()
@@ -513,6 +519,7 @@ class RealtimeClient:
         try:
             ws = await connect(
                 url,
+                proxy=_proxy_for(url),
                 open_timeout=self.connect_timeout,
                 compression=None,
                 subprotocols=[Subprotocol(MSGPACK_SUBPROTOCOL)] if self.binary else None,
@@ -566,25 +573,54 @@ class RealtimeClient:
         return got
 
     async def _read(self, ws: ClientConnection) -> None:
+        """Read until the socket closes. A watchdog replaces it once it is silent for
+        the subscribe's acknowledgement deadline, then for three heartbeats (none: the
+        library's pings only). It is one timer that a frame only dates: re-arming a
+        timer per frame costs more than reading the frame."""
         loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.ack_timeout) as watchdog:
-                async for data in ws:
-                    try:
-                        await self._receive(data)
-                    except Exception:
-                        log.exception("a frame could not be handled")
-                    if self._ws is not ws:
-                        return  # dropped by reconnect_now
-                    # any frame resets it: the ack's own deadline until the subscribe is
-                    # acknowledged, then 3 heartbeats (None: the library's pings only)
-                    seconds = self.ack_timeout if self._subscribe_ack else self._read_seconds
-                    watchdog.reschedule(None if seconds is None else loop.time() + seconds)
-        except TimeoutError:
+        heard = loop.time()
+        armed_for: float | None = None
+        timer: asyncio.TimerHandle | None = None
+
+        def limit() -> float | None:
+            return self.ack_timeout if self._subscribe_ack else self._read_seconds
+
+        def arm(seconds: float | None) -> None:
+            nonlocal timer, armed_for
+            if timer is not None:
+                timer.cancel()
+            armed_for = seconds
+            timer = None if seconds is None else loop.call_at(heard + seconds, check)
+
+        def check() -> None:
+            nonlocal timer
+            timer = None
+            seconds = limit()
+            if self._ws is not ws or seconds is None:
+                return
+            if loop.time() < heard + seconds:
+                timer = loop.call_at(heard + seconds, check)  # a frame came meanwhile
+                return
             waiting_ack = self._subscribe_ack is not None
             self._give_up("subscribe not acknowledged" if waiting_ack else "read timeout")
+
+        arm(limit())
+        try:
+            async for data in ws:
+                heard = loop.time()
+                try:
+                    await self._receive(data)
+                except Exception:
+                    log.exception("a frame could not be handled")
+                if self._ws is not ws:
+                    return  # dropped: reconnect_now, the watchdog
+                if limit() != armed_for:
+                    arm(limit())  # the subscribe was acknowledged
         except ConnectionClosed:
             pass
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _subscribe_frame(self, token: str) -> str | bytes:
         self._subscribe_ack = f"s{next(self._ack_ids)}"
@@ -679,8 +715,13 @@ class RealtimeClient:
         elif isinstance(message, PresenceSnapshot | PresenceDelta):
             await self._presence(message)
         elif isinstance(message, PendingTurns):
-            games = [{"meta": m, "id": g} for m, g in message.games]
-            self._deliver(Event("pendingTurns", {"games": games}), None, message.games)
+            plies = message.plies or (None,) * len(message.games)
+            candidates = list(zip(message.games, plies, strict=True))
+            games = [
+                {"meta": m, "id": g, **(ply_fields(ply) if ply else {})}
+                for (m, g), ply in candidates
+            ]
+            self._deliver(Event("pendingTurns", {"games": games}), None, candidates)
         elif isinstance(message, GameEvent | UserEvent | AdminTest | UnknownFrame):
             verb = "test" if isinstance(message, AdminTest) else message.verb
             self._deliver(Event(verb, message.payload, batch=(message.payload,)), None)
@@ -772,9 +813,9 @@ class RealtimeClient:
                 stream = out.event.stream
                 assert stream is not None
                 self._turns.changed(stream)
-                turns: Sequence[GameRef] = ()
+                turns: Sequence[Candidate] = ()
                 if out.event.verb == "yourTurn" and out.event.game is not None:
-                    turns = (out.event.game,)
+                    turns = ((out.event.game, ply_of(out.event.payload)),)
                 self._deliver(out.event, out.commit, turns)
             elif isinstance(out, Resync):
                 info = out.info
@@ -788,11 +829,12 @@ class RealtimeClient:
                 self._settle_stream(out.stream)
 
     def _deliver(
-        self, event: Event, commit: Position | None, turns: Sequence[GameRef] = ()
+        self, event: Event, commit: Position | None, turns: Sequence[Candidate] = ()
     ) -> None:
+        source: TurnSource = "yourTurn" if event.stream else "pendingTurns"
         fresh = [
-            Turn(meta, game_id, "yourTurn" if event.stream else "pendingTurns", event)
-            for meta, game_id in self._turns.offer(turns)
+            Turn(meta, game_id, source, event, ply=ply)
+            for (meta, game_id), ply in self._turns.offer(turns)
         ]
         game = event.game
         lane = game_stream(game_key(*game)) if game is not None else event.stream or event.verb
@@ -820,7 +862,7 @@ class RealtimeClient:
             for turn in turns:
                 turn_lane = game_stream(game_key(turn.meta, turn.id))
                 jobs.append((turn_lane, "turn", list(turn_handlers), (turn,)))
-        event_feeds = list(self._events)
+        event_feeds = list(self._events) if self._events else []
         turn_feeds = list(self._turn_feeds) if turns else []
         stream = _stream_of(value)
         ticket: Ticket | None = None
@@ -925,6 +967,14 @@ def _stream_of(value: AnyEvent) -> str | None:
     if isinstance(value, Event | RecoveryInfo | ResyncInfo):
         return value.stream
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _proxy_for(url: str) -> str | None:
+    """The proxy for ``url`` from the environment (``HTTPS_PROXY``, ``NO_PROXY``...),
+    looked up once per address: websockets would walk ``os.environ`` on every
+    connect, about as much CPU as the rest of a reconnect."""
+    return get_proxy(parse_uri(url))
 
 
 def _takes_refresh(get_token: Callable[..., Any]) -> bool:

@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from protocol.messages import Ply
+
 State = Literal["disconnected", "connecting", "connected"]
+TurnSource = Literal["pendingTurns", "yourTurn"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +48,11 @@ class Turn:
 
     meta: str
     id: str
-    source: Literal["pendingTurns", "yourTurn"]
+    source: TurnSource
     event: Event = field(compare=False)
     verb: Literal["turn"] = "turn"
+    ply: Ply | None = None
+    """The ply, when the turn named it (``numMoves``, ``lastMoveTime``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,10 @@ OVERLOAD_MIN = 5.0
 """The floor when the server said it is overloaded (1013, an upgrade refused with 503)."""
 RESTART_SPREAD = 3.0
 """A drained node (1012) sends everyone away at once: they come back over this window."""
+FIRST_CEILING = 2.0
+"""The first step's ceiling at least. A node that dies drops all its clients in the same
+instant; their first retries, spread over 1.5 s, reach the other nodes at a pace they
+admit (``--accept-rate``) rather than as a wave that gets 503s and the longer floor."""
 
 
 def backoff_delay(
@@ -24,10 +28,12 @@ def backoff_delay(
     maximum: float = BACKOFF_MAX,
     rand: Callable[[], float] = random.random,
 ) -> float:
-    """Exponential backoff with full jitter: uniform over
-    ``[minimum, min(maximum, minimum * 2 ** (attempt + 1))]``, where ``attempt``
-    counts the failures since the last acknowledged subscribe, from 0."""
-    ceiling = min(maximum, minimum * float(2 ** min(attempt + 1, 16)))
+    """Exponential backoff with full jitter: uniform over ``[minimum, min(maximum,
+    max(2 * minimum, FIRST_CEILING) * 2 ** attempt)]``, where ``attempt`` counts the
+    failures since the last acknowledged subscribe, from 0: 0.5-2 s, 0.5-4 s, ...
+    0.5-30 s; after an overload 5-10 s, 5-20 s, 5-30 s."""
+    first = max(2 * minimum, FIRST_CEILING)
+    ceiling = min(maximum, first * float(2 ** min(attempt, 16)))
     return minimum + rand() * (max(ceiling, minimum) - minimum)
 
 

@@ -19,11 +19,19 @@ from loadtest.harness.procstat import machine, raise_fd_limit
 from loadtest.harness.progress import Progress
 from loadtest.harness.runner import Options, Run
 from loadtest.report.summary import summary_lines
+from loadtest.scenarios.chat import chat
+from loadtest.scenarios.connect_storm import connect_storm
 from loadtest.scenarios.core import SCENARIOS as BASE_SCENARIOS
-from loadtest.scenarios.sdk import sdk
+from loadtest.scenarios.sdk import fleet_count, sdk
 from loadtest.scenarios.streams import STREAM_SCENARIOS
 
-SCENARIOS = {**BASE_SCENARIOS, **STREAM_SCENARIOS, "sdk": sdk}
+SCENARIOS = {
+    **BASE_SCENARIOS,
+    **STREAM_SCENARIOS,
+    "sdk": sdk,
+    "chat": chat,
+    "connect": connect_storm,
+}
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "idle": {
@@ -61,6 +69,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "recovery": {"connections": 5000, "games": 1000, "games_per_conn": 5, "bots": 0.0},
     "streammem": {"connections": 10000},
     "sdk": {"connections": 2000, "games": 200, "games_per_conn": 3, "duration": 10.0, "rate": 40.0},
+    "chat": {"connections": 4, "duration": 20.0, "rate": 20.0},
+    "connect": {"connections": 2000, "games": 200, "games_per_conn": 10, "rounds": 3},
 }
 
 HELP = {
@@ -83,6 +93,9 @@ HELP = {
     "streammem": "Redis memory per stream (N streams through the Lua script), idle and full",
     "sdk": "N Python-SDK clients on 3 nodes through a kill -9 and a rolling restart: events "
     "missed/duplicated as the handlers saw them, close -> recovered, accepts per second",
+    "chat": "N authors on one game from 2 nodes, comments at --rate/s: post -> chatAck latency",
+    "connect": "fan-out during and right after N connects: cluster node / embedded node, "
+    "delivered per server CPU-s",
 }
 
 
@@ -160,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m loadtest",
         description="Load tests for the Abstract Play real-time server.",
         epilog="Also: chaos (minutes of random faults over 3 nodes; "
-        "python -m loadtest chaos --help).",
+        "python -m loadtest chaos --help) and table (the README's results table from "
+        "loadtest/results/*.json; python -m loadtest table --help).",
     )
     commands = parser.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
     for name in SCENARIOS:
@@ -176,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
             "abuse",
             "churn",
             "sdk",
+            "chat",
+            "connect",
         ):
             parents.append(fan)
         if name in STREAM_SCENARIOS:
@@ -187,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--rate", type=float, help="messages/s into the queue (2000)")
         if name == "storm":
             sub.add_argument("--storm-timeout", type=float, default=60.0)
+        if name == "bots":
+            sub.add_argument(
+                "--bot-queue",
+                action="store_true",
+                help="feed the turns through the bot outbound queue on moto: a bot node "
+                "killed, half of the bots away (forwarded); --rate is messages/s (100)",
+            )
         if name == "recovery":
             sub.add_argument(
                 "--storm-timeout",
@@ -275,6 +298,10 @@ def options_from(args: argparse.Namespace) -> Options:
     if args.scenario == "sdk":
         options.accept_rate = args.accept_rate
         options.drain_seconds = args.drain_seconds
+    if args.scenario == "bots":
+        options.bot_queue = args.bot_queue
+        if args.bot_queue and args.rate is None:
+            options.rate = 100.0
     if args.scenario == "abuse":
         options.attackers = args.attackers
         options.abuse_pad = args.pad
@@ -311,6 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from loadtest.scenarios import chaos
 
         return chaos.main(given[1:])
+    if given[:1] == ["table"]:
+        # Rewrites loadtest/README.md's results table from loadtest/results/*.json.
+        from loadtest.report import table
+
+        return table.main(given[1:])
     args = build_parser().parse_args(argv)
     options = options_from(args)
     fd_limit = raise_fd_limit()
@@ -320,9 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     started = datetime.datetime.now(datetime.UTC)
+    load_before = os.getloadavg()
+    workers = options.workers
+    if options.scenario == "sdk":
+        workers = fleet_count(options.workers, options.connections)
     progress.log(
         f"loadtest {options.scenario}: {options.connections} connections, "
-        f"{options.workers} generator processes, fd limit {fd_limit}"
+        f"{workers} generator processes, fd limit {fd_limit}"
     )
     try:
         import uvloop
@@ -343,6 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": started.isoformat(timespec="seconds"),
         "command": ["python", "-m", "loadtest", *(argv if argv is not None else sys.argv[1:])],
         "machine": machine(),
+        # the machine is shared: how busy it was says how far wall-clock figures can be trusted
+        "load_average": {"start": list(load_before), "end": list(os.getloadavg())},
         "options": {k: v for k, v in vars(options).items()},
         **outcome,
     }

@@ -33,6 +33,7 @@ from protocol.messages import (
     ServerMessage,
     Skip,
     UserEvent,
+    ply_of,
 )
 from protocol.parse import decode_frame
 
@@ -201,7 +202,9 @@ def _plain(verb: str, payload: Any) -> ClientBound:
         games = payload["games"]
         if not isinstance(games, list):
             raise ValueError("'games' must be a list")
-        return PendingTurns(tuple((_str(g["meta"]), _str(g["id"])) for g in games))
+        refs = tuple((_str(g["meta"]), _str(g["id"])) for g in games)
+        plies = tuple(ply_of(g) for g in games)
+        return PendingTurns(refs, plies if any(p is not None for p in plies) else ())
     if verb == "test":
         return AdminTest(payload)
     # unpositioned: a legacy route, or Redis away when it was published

@@ -34,6 +34,7 @@ class CloseCode(IntEnum):
     GOING_AWAY = 1001  # the browser treats this as an idle timeout
     POLICY_VIOLATION = 1008  # bad token, or a flood (after a rate_limited error frame)
     MESSAGE_TOO_BIG = 1009  # frame over MAX_FRAME_BYTES
+    INTERNAL_ERROR = 1011  # no answer to a keepalive ping, as websockets would close it
     SERVICE_RESTART = 1012  # drain on deploy: reconnect at once
     TRY_AGAIN_LATER = 1013  # a token or a bot's games could not be checked now
     SLOW_CONSUMER = 4008  # outbox overflow: the client could not keep up

@@ -149,6 +149,27 @@ class UserEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class BotOutbound:
+    """One body of today's bot outbound queue (``BOT_OUTBOUND_QUEUE_URL``):
+    ``{"type":"move","metaGame","gameid","botId"}`` or
+    ``{"type":"challenge","challengeId","metaGame","botId","standing"}``."""
+
+    type: Literal["move", "challenge"]
+    bot_id: str
+    meta: str
+    game_id: str = ""  # a move's
+    challenge_id: str = ""  # a challenge's
+    standing: bool = False
+
+    def event(self) -> UserEvent:
+        """The event on the bot's user stream: ``yourTurn`` or ``challenge``."""
+        if self.type == "move":
+            return UserEvent("yourTurn", (self.bot_id,), {"meta": self.meta, "id": self.game_id})
+        payload = {"challengeId": self.challenge_id, "meta": self.meta, "standing": self.standing}
+        return UserEvent("challenge", (self.bot_id,), payload)
+
+
+@dataclass(frozen=True, slots=True)
 class AdminTest:
     """``test``: an admin broadcast to everyone, shown as a toast."""
 
@@ -199,10 +220,46 @@ class Heartbeat:
 
 
 @dataclass(frozen=True, slots=True)
+class Ply:
+    """Which ply of a game a turn is for, as the game's summary row names it:
+    ``numMoves`` (moves made so far) and ``lastMoveTime`` (epoch ms of the last
+    one). A turn names at least one; both only grow as the game goes on."""
+
+    moves: int | None = None
+    time: float | None = None
+
+
+def ply_fields(ply: Ply) -> dict[str, Any]:
+    """``ply`` as a turn's fields: ``numMoves`` and ``lastMoveTime``, where known."""
+    fields: dict[str, Any] = {}
+    if ply.moves is not None:
+        fields["numMoves"] = ply.moves
+    if ply.time is not None:
+        fields["lastMoveTime"] = ply.time
+    return fields
+
+
+def ply_of(fields: Any) -> Ply | None:
+    """The ply a turn's fields name (a ``yourTurn`` payload, a ``pendingTurns`` entry);
+    None when neither ``numMoves`` (a whole number from 0) nor ``lastMoveTime`` (a
+    number) is there. Anything else in those fields is ignored, not an error."""
+    if not isinstance(fields, dict):
+        return None
+    moves, time = fields.get("numMoves"), fields.get("lastMoveTime")
+    ply = Ply(
+        moves if isinstance(moves, int) and not isinstance(moves, bool) and moves >= 0 else None,
+        time if isinstance(time, int | float) and not isinstance(time, bool) else None,
+    )
+    return None if ply.moves is None and ply.time is None else ply
+
+
+@dataclass(frozen=True, slots=True)
 class PendingTurns:
     """``pendingTurns``: every current game where a bot is to move, sent on subscribe."""
 
     games: tuple[tuple[str, str], ...]  # (meta, id)
+    plies: tuple[Ply | None, ...] = ()
+    """Empty, or one per game: its ply where the rows tell it (``numMoves``, ``lastMoveTime``)."""
 
 
 @dataclass(frozen=True, slots=True)

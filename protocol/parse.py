@@ -27,6 +27,7 @@ from protocol.messages import (
     GAME_VERBS,
     USER_VERBS,
     AdminTest,
+    BotOutbound,
     Broadcast,
     ClientAction,
     GameEvent,
@@ -278,6 +279,40 @@ def parse_broadcast(body: bytes | str) -> Broadcast:
     if not isinstance(verb, str):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, "body needs a string 'verb'")
     raise ProtocolError(ErrorCode.UNKNOWN_ACTION, f"unknown verb {_quote(verb)}")
+
+
+def parse_bot_outbound(body: bytes | str) -> BotOutbound:
+    """Parse a body of today's bot outbound queue; ProtocolError names what is wrong
+    (not a JSON object, an unknown ``type``, a missing or empty field it needs)."""
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError):
+        raise ProtocolError(ErrorCode.INVALID_FRAME, "body is not valid JSON") from None
+    if not isinstance(message, Mapping):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "body must be an object")
+    kind = message.get("type")
+    if kind == "move":
+        needed = ("botId", "metaGame", "gameid")
+    elif kind == "challenge":
+        needed = ("botId", "metaGame", "challengeId")
+    else:
+        shown = _quote(kind) if isinstance(kind, str) else repr(kind)[:40]
+        raise ProtocolError(ErrorCode.UNKNOWN_ACTION, f"unknown bot message type {shown}")
+    for name in needed:
+        if not _is_game_field(message.get(name)):
+            raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"{kind!r} needs a string {name!r}")
+    if not _is_user_id(message["botId"]):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "'botId' is not a user id")
+    _check_meta(message["metaGame"])
+    if kind == "move":
+        return BotOutbound("move", message["botId"], message["metaGame"], game_id=message["gameid"])
+    return BotOutbound(
+        "challenge",
+        message["botId"],
+        message["metaGame"],
+        challenge_id=message["challengeId"],
+        standing=message.get("standing") is True,
+    )
 
 
 def _parse_user_event(verb: Any, payload: Any, users: Any) -> UserEvent:

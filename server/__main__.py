@@ -1,4 +1,4 @@
-"""Command line: ``ap-realtime serve``, ``create-table``, ``dev-token``."""
+"""Command line: ``ap-realtime serve``, ``create-table``, ``dev-token``, ``seed-bot``."""
 
 from __future__ import annotations
 
@@ -71,10 +71,46 @@ def _dev_token(args: argparse.Namespace) -> int:
         return _fail("dev-token needs --dev-jwt-secret (or AP_DEV_JWT_SECRET)")
     if args.hours <= 0:
         return _fail("--hours must be positive")
+    if (args.user is None) == (args.bot is None):
+        return _fail("dev-token needs --user ID (a person) or --bot CLIENT_ID (a bot)")
     now = int(time.time())
-    claims = {"sub": args.user, "iat": now, "exp": now + args.hours * 3600}
+    if args.bot is not None:
+        from server.auth.verify import dev_bot_claims
+
+        claims = dev_bot_claims(args.bot, now, args.hours * 3600)
+    else:
+        claims = {"sub": args.user, "iat": now, "exp": now + args.hours * 3600}
     print(jwt.encode(claims, settings.dev_jwt_secret, algorithm="HS256"))
     return 0
+
+
+def _seed_bot(args: argparse.Namespace) -> int:
+    settings = config.load(args)
+    from server.dev_bot import seed_dynamodb
+
+    try:
+        meta, game_id = _run_value(
+            seed_dynamodb(
+                settings.dynamodb_endpoint, settings.table, settings.region, args.client_id
+            )
+        )
+    except StoreUnavailable as exc:
+        return _fail(str(exc))
+    print(
+        f"BOT row {args.client_id} and game {meta}#{game_id} (the bot to move) "
+        f"written to {settings.table}"
+    )
+    return 0
+
+
+def _run_value(coro: Coroutine[Any, Any, Any]) -> Any:
+    result: list[Any] = []
+
+    async def keep() -> None:
+        result.append(await coro)
+
+    _run(keep())
+    return result[0]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -108,11 +144,22 @@ def build_parser() -> argparse.ArgumentParser:
     table.set_defaults(run=_create_table)
     token = commands.add_parser("dev-token", help="mint an HS256 development token")
     config.add_arguments(token, TOKEN_SETTINGS)
-    token.add_argument("--user", required=True, help="user id, the token's sub")
+    token.add_argument("--user", help="user id, the token's sub")
+    token.add_argument(
+        "--bot",
+        metavar="CLIENT_ID",
+        help="a bot token for this client id instead (the node needs its BOT row)",
+    )
     token.add_argument(
         "--hours", type=int, default=24, help="hours until the token expires (default 24)"
     )
     token.set_defaults(run=_dev_token)
+    seed = commands.add_parser(
+        "seed-bot", help="write a BOT row and a game where it is to move (try a bot locally)"
+    )
+    config.add_arguments(seed, TABLE_SETTINGS)
+    seed.add_argument("--client-id", required=True, help="the bot's client id (its player id)")
+    seed.set_defaults(run=_seed_bot)
     return parser
 
 

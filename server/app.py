@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import gc
 import logging
 import resource
 import signal
+import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -21,6 +23,7 @@ from server.ingress.websocket import serve_websocket
 from server.node import Node
 from server.runtime.pauses import PauseWatch
 from server.runtime.reclaim import Reclaimer
+from server.runtime.tasks import dump_tasks
 from server.wiring import build_node
 
 log = logging.getLogger("ap_realtime")
@@ -68,6 +71,9 @@ async def serve_forever(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, signals.put_nowait, signum)
+    # What a node that will not stop is waiting for: its tasks (USR1), its threads (USR2).
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks, sys.stderr)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     node = await build_node(settings)
     started = await _until_signal(signals, _start(node))
     if started is None:
@@ -140,7 +146,7 @@ async def _until_signal(signals: asyncio.Queue[int], work: Coroutine[Any, Any, T
         if waiter.done() and not waiter.cancelled():
             signals.put_nowait(waiter.result())  # both at once: the signal still counts
         return task.result()
-    task.cancel()
+    task.cancel()  # once: a second cancellation would cut short the start's cleanup
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return None

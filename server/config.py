@@ -64,11 +64,16 @@ class Settings:
     sqs_pollers: int = 4
     sqs_wait_seconds: int = 20
     sqs_visibility_seconds: int = 30
+    bot_queue_url: str | None = None
+    bot_webhook_queue_url: str | None = None
+    bot_challenges_by_webhook: bool = False
+    dev_bot: str | None = None
     notifications_from_stream: bool = False
     stream_poll_ms: int = 500
     max_connections: int = 30000
     max_connections_per_user: int = 20
     accept_rate: float = 2000.0
+    accept_queue_seconds: float = 3.0
     subscribe_timeout: float = 10.0
     max_watched_games_per_user: int = 5000
     flood_credits: int = 50
@@ -143,14 +148,27 @@ _HELP: dict[str, str] = {
     "sqs_pollers": "concurrent long polls of the queue on this node, 10 messages each",
     "sqs_wait_seconds": "long-poll wait of each ReceiveMessage (0-20)",
     "sqs_visibility_seconds": "how long a received message stays hidden from other consumers",
+    "bot_queue_url": "consume today's bot outbound queue (BOT_OUTBOUND_QUEUE_URL) at this URL: "
+    "turns and challenges to connected bots; off by default (uses the --sqs-* options)",
+    "bot_webhook_queue_url": "forward, unchanged, the bot queue's messages for bots with no "
+    "WebSocket session to this queue (the webhook Lambda's; FIFO for exactly once)",
+    "bot_challenges_by_webhook": "forward every challenge to --bot-webhook-queue-url, even for "
+    "a bot with a session: today only the webhook's 200 accepts one (botQuery has no verb "
+    "for it)",
+    "dev_bot": "with the embedded store: write a BOT row for this client id and a game where "
+    "it is to move, at start (try it with: ap-realtime dev-token --bot ID)",
     "notifications_from_stream": "push NOTIFICATION# rows to their users from the table's stream",
     "stream_poll_ms": "pause between GetRecords calls on a shard that had nothing new",
     "max_connections": "open sockets this node accepts; over it upgrades get HTTP 503 "
     "(3x the 10,000 a node is sized for, ~20 KiB each; 0 = no cap)",
     "max_connections_per_user": "sockets one user may hold on this node; the next is closed "
     "with 4509 (a browser opens one per tab; 20 tabs is generous)",
-    "accept_rate": "new connections per second (token bucket, one second of burst); over it "
-    "upgrades get HTTP 503 with Retry-After (above the ~1,200/s one core completes; 0 = off)",
+    "accept_rate": "new connections in any one second (a sliding window); over it "
+    "upgrades wait their turn, up to --accept-queue-seconds, then get HTTP 503 with "
+    "Retry-After (above the ~1,200/s one core completes; 0 = off)",
+    "accept_queue_seconds": "longest an upgrade over --accept-rate is held for its turn before "
+    "it gets HTTP 503: a storm is paced, not refused (0 = refuse at once; below 10, the "
+    "handshake's own timeout)",
     "subscribe_timeout": "seconds a socket may stay open without subscribing before 4408 "
     "(a browser subscribes within a second of connecting)",
     "max_watched_games_per_user": "games one user may watch across all sockets on this node "
@@ -338,6 +356,17 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("--sqs-pollers must be at least 1")
     if not 1 <= settings.sqs_visibility_seconds <= 43_200:
         raise ConfigError("--sqs-visibility-seconds must be from 1 to 43200 (SQS's own limit)")
+    if (settings.bot_queue_url is None) != (settings.bot_webhook_queue_url is None):
+        raise ConfigError(
+            "--bot-queue-url and --bot-webhook-queue-url go together: once the server reads "
+            "the bot queue, messages for bots without a socket go on to the webhook queue"
+        )
+    if settings.bot_challenges_by_webhook and settings.bot_queue_url is None:
+        raise ConfigError("--bot-challenges-by-webhook needs --bot-queue-url")
+    if settings.dev_bot is not None and settings.store != "memory":
+        raise ConfigError(
+            "--dev-bot seeds the embedded store; for DynamoDB use: ap-realtime seed-bot"
+        )
     if settings.notifications_from_stream and settings.store != "dynamodb":
         raise ConfigError(
             "--notifications-from-stream reads the table's stream and keeps its checkpoints "
@@ -359,9 +388,16 @@ def _validate(settings: Settings) -> None:
         "max_watched_games_per_user",
         "flood_credits",
         "flood_window_seconds",
+        "ping_interval",  # the keepalive sweep sleeps a share of these
+        "ping_timeout",
     ):
         if getattr(settings, name) <= 0:
             raise ConfigError(f"{_flag(name)} must be positive")
+    if not 0 <= settings.accept_queue_seconds <= 8:
+        raise ConfigError(
+            "--accept-queue-seconds must be from 0 to 8 (a held upgrade must still finish "
+            "within the 10 s handshake timeout)"
+        )
     if settings.chat_rate < 1:
         raise ConfigError("--chat-rate must be at least 1")
     if not 1 <= settings.heartbeat_seconds <= 300:

@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
 from protocol.envelope import encode_envelope
 from protocol.errors import CloseCode, ErrorCode
-from protocol.messages import AdminTest, Broadcast, GameEvent, GameKey, Position, Since, Subscribe
-from protocol.streams import game_stream, user_stream
+from protocol.messages import AdminTest, Broadcast, GameKey, Position, Since, Subscribe
 from server.auth.verify import Authenticator, AuthError, AuthUnavailable
 from server.bus.base import Bus
-from server.bus.streams import Append, Streams
-from server.bus.topics import ADMIN, ALL_GAMES, NODE_TOPICS, game_topic
+from server.bus.streams import Fence, Streams, appends_for
+from server.bus.topics import ADMIN, NODE_TOPICS
 from server.config import Settings
 from server.presence.core import PresenceBackend
 from server.presence.node_presence import NodePresence
@@ -31,10 +31,12 @@ from server.routing.delivery import StreamDelivery
 from server.routing.heartbeats import send_heartbeats
 from server.routing.history_reads import HistoryReads
 from server.routing.index import HubIndex, StreamState, kept_stream_state, restore_stream_state
+from server.routing.keepalive import keep_alive
 from server.routing.recovery import Recovery
 from server.routing.subscribe_batching import SubscribeBatcher
 from server.runtime.connection_rows import ConnectionRegistry
 from server.runtime.metrics import Registry
+from server.runtime.pacer import Pacer
 from server.runtime.tasks import run_until_unwound
 from server.runtime.write_behind import drained_within
 from server.services import Coordination, Service
@@ -80,18 +82,14 @@ class Node:
         self.authenticator = authenticator
         self.streams = streams
         self._outbox_limit = limit = settings.outbox_limit_bytes
-        self.registry = ConnectionRegistry(store, metrics)
+        # One pacer for all background writers: they take turns behind delivery.
+        self.registry = ConnectionRegistry(store, metrics, pacer := Pacer())
         self.index = HubIndex(settings, bus, lambda stream: self.delivery.forget(stream), metrics)
         self.sessions = self.index.sessions
-        self.last_seen = LastSeen(store, coordination.last_seen_claims, metrics)
+        self.last_seen = LastSeen(store, coordination.last_seen_claims, metrics, pacer)
+        watchers = self.index.presence_watchers
         self.presence = NodePresence(
-            settings,
-            presence_backend,
-            store,
-            self.sessions,
-            self.index.presence_watchers,
-            self.last_seen.seen,
-            metrics,
+            settings, presence_backend, store, self.sessions, watchers, self.last_seen.seen, metrics
         )
         self.bots = BotService(
             store,
@@ -101,6 +99,7 @@ class Node:
             watch=self.watch,
             is_open=self.sessions.__contains__,
             metrics=metrics,
+            sessions=coordination.bot_sessions,
         )
         # Every history read (recovery, repair) goes out in batches.
         self.history = HistoryReads(streams, metrics=metrics)
@@ -129,9 +128,8 @@ class Node:
 
     async def start(self) -> None:
         """Start every part in order, then be ready. Each part's stop goes on one
-        ``AsyncExitStack`` just before the part starts (so a start that fails half-way
-        still closes what it opened): a failed or cancelled start closes exactly what
-        started, in reverse order, and ``stop`` unwinds the same stack."""
+        ``AsyncExitStack`` just before the part starts (a start that fails half-way
+        closes exactly what started, in reverse order); ``stop`` unwinds the same stack."""
         async with AsyncExitStack() as stack:
             await self._start(stack)
             self._running = stack.pop_all()
@@ -171,6 +169,9 @@ class Node:
         run_until_unwound(stack, ttl_refresh, "ttl-refresh")
         beat = self.settings.heartbeat_seconds
         run_until_unwound(stack, send_heartbeats(self.index.heartbeats, beat, limit), "heartbeats")
+        pings = keep_alive(self.sessions, self.settings.ping_interval, self.settings.ping_timeout)
+        run_until_unwound(stack, pings, "keepalive")
+        self.bots.start(stack)  # its marks are dropped after the sessions closed
         stack.push_async_callback(self._close_sessions)
         for service in self.services:
             stack.push_async_callback(_stop_service, service)
@@ -178,11 +179,9 @@ class Node:
 
     async def drain(self, seconds: float) -> int:
         """Close every session with 1012, spread over ``seconds`` in jittered batches;
-        returns how many it closed.
-
-        Closing all at once sends every client to the other nodes in the same second.
-        Each closed user stays reported by this node until its own connection is gone,
-        so one who reconnects elsewhere is never offline in the cluster's view (the
+        returns how many it closed (all at once would send every client elsewhere in one
+        second). Each closed user stays reported by this node until its own connection is
+        gone, so one who reconnects elsewhere is never offline in the cluster's view (the
         writer's debounce absorbs the move). The caller has stopped the listener;
         ``/readyz`` answers 503 from here on."""
         self.ready = False
@@ -261,7 +260,7 @@ class Node:
         self.index.remove(session)
         self.registry.delete(session.connection_id)
         if session.is_bot:
-            return  # bots are not in presence: nothing to report, now or after a grace
+            return self.bots.left(session)  # bots are not in presence: only their marks
         if self.draining:
             self.presence.left_for_another_node(user_id, session.invisible)
         else:
@@ -353,32 +352,30 @@ class Node:
     # --- events -------------------------------------------------------------
 
     async def publish(
-        self, message: Broadcast, *, require_cluster: bool = False, event_id: str | None = None
+        self,
+        message: Broadcast,
+        *,
+        require_cluster: bool = False,
+        event_id: str | None = None,
+        then: Sequence[tuple[Broadcast, str]] = (),
+        fence: Fence | None = None,
     ) -> dict[str, Position]:
-        """The one door into the cluster for every event; returns the positions taken.
-
-        ``game``/``chat`` take the next position of ``game:<meta>#<id>`` (and reach legacy
-        clients through the ``games`` topic in the same step); a ``UserEvent`` takes one in
-        each addressed ``user:<id>``; ``test`` has no stream. When the bus is down, the
-        event is delivered on this node only, unpositioned, with no positions returned; with
-        ``require_cluster`` it raises instead (``BusDown``, or the streams' error), so the
-        queue bridge and the notification push keep the event and retry.
-
-        ``event_id`` names the event (an SQS MessageId, a notification row's sk):
-        a repeat within the id window is not appended again; it answers the first position.
-        """
-        self._published.inc()
+        """The one door into the cluster for every event; the positions it took. Each event
+        goes where ``appends_for`` says (``test``: the admin topic). With the bus down it is
+        delivered on this node only, unpositioned (``require_cluster``: it raises, for the
+        caller to retry). ``event_id`` names it: a repeat answers the first position.
+        ``then``: named events appended right after, in the same round trip, the last
+        under ``fence`` (a chat post's hint and its lock's release)."""
+        self._published.inc(1 + len(then))
         data = encode_envelope(message)
-        event = message.event
-        if isinstance(event, AdminTest):
+        if isinstance(message.event, AdminTest):
             await self.bus.publish(ADMIN, data, local_fallback=not require_cluster)
             return {}
-        if isinstance(event, GameEvent):
-            stream = game_stream(event.key)
-            items = [Append(stream, data, (game_topic(event.key), ALL_GAMES), event_id)]
-        else:
-            # Each user stream remembers the id: a retry finds it in every one.
-            items = [Append(user_stream(u), data, (user_stream(u),), event_id) for u in event.users]
+        events = [(message, data, event_id), *((m, encode_envelope(m), n) for m, n in then)]
+        pairs = [(m, item) for m, d, n in events for item in appends_for(m.event, d, n)]
+        items = [item for _, item in pairs]
+        if fence is not None:
+            items[-1] = items[-1]._replace(fence=fence)
         try:
             positions = await self.streams.append_many(items)
         except Exception:
@@ -386,11 +383,11 @@ class Node:
                 raise
             # Redis is away: nobody can assign positions, but this node's own
             # clients still hear of the event (they are told to refetch later).
-            log.warning("streams unreachable: %s delivered on this node only", event.verb)
-            for item in items:
-                self.delivery.deliver_unpositioned(item.stream, message)
+            log.warning("streams unreachable: %s delivered on this node only", message.event.verb)
+            for m, item in pairs:
+                self.delivery.deliver_unpositioned(item.stream, m)
             return {}
-        return {item.stream: position for item, position in zip(items, positions, strict=True)}
+        return {i.stream: p for (m, i), p in zip(pairs, positions, strict=True) if m is message}
 
 
 async def _stop_service(service: Service) -> None:

@@ -1,36 +1,32 @@
 """One socket's session: identity, watch set, and its bounded outbox.
 
 The outbox is the transport's own write buffer plus what the kernel holds
-for the socket: a frame is written at once, and a session whose unsent bytes
-are over the limit is a slow consumer and is closed. No per-client queue or
-task sits between an event and the socket. Every write to a client goes
-through :func:`send_frame`, synchronously, so frames reach a socket in the
-order the node sends them.
+for the socket: a frame is written by the end of the loop turn that sent it,
+and a session whose unsent bytes are over the limit is a slow consumer and is
+closed. No per-client queue or task sits between an event and the socket.
+Every write to a client goes through :func:`send_frame` (or
+:func:`send_frames`), so frames reach a socket in the order the node sends
+them; the frames one socket gets in one loop turn leave in one write
+(:class:`TurnWrites`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import itertools
 import logging
 import random
-import socket
-import struct
-import termios
 import uuid
 from collections.abc import Iterable, Sequence
 
 from websockets.asyncio.server import ServerConnection
-from websockets.frames import DATA_OPCODES
-from websockets.frames import Frame as WsFrame
 from websockets.protocol import State
 
-from protocol.codec import Frame
+from protocol.codec import Frame, FrameRun
 from protocol.errors import MSGPACK_SUBPROTOCOL, CloseCode, ErrorCode
 from protocol.messages import Broadcast, ErrorMessage, GameKey, Subscribe
 from server.runtime.metrics import Registry
+from server.runtime.socket_buffers import kernel_send_capacity, kernel_unsent
 from server.runtime.token_bucket import TokenBucket
 from server.store.base import ConnectionRecord, ttl_from_now
 
@@ -44,17 +40,32 @@ DRAIN_BATCH_SECONDS = 0.1
 
 class Traffic:
     """A node's frame counts: plain attributes, added to on the fan-out path (once
-    per batch) and on every parsed frame, read by the node's registry when scraped."""
+    per batch) and on every parsed frame, read by the node's registry when scraped.
+    It carries the node's :class:`TurnWrites` to every session."""
 
-    __slots__ = ("flood_closes", "frames_parsed", "frames_sent", "slow_consumers")
+    __slots__ = (
+        "flood_closes",
+        "frames_parsed",
+        "frames_sent",
+        "slow_consumers",
+        "socket_writes",
+        "turn",
+    )
 
     def __init__(self, registry: Registry) -> None:
         self.frames_sent = 0
+        self.socket_writes = 0
+        self.turn = TurnWrites(self)
         self.frames_parsed = 0
         self.slow_consumers = 0
         self.flood_closes = 0
         registry.counter_func(
             "ap_frames_sent_total", "Frames written to client sockets", lambda: self.frames_sent
+        )
+        registry.counter_func(
+            "ap_socket_writes_total",
+            "Writes of frames to client sockets: the frames of one loop turn share one",
+            lambda: self.socket_writes,
         )
         registry.counter_func(
             "ap_slow_consumers_total",
@@ -73,6 +84,54 @@ class Traffic:
         )
 
 
+class TurnWrites:
+    """A node's frames of one loop turn, written at its end: one write per socket.
+
+    A client watching several games that publish in the same loop turn gets
+    all their frames in one ``transport.write``, one system call, where a write
+    per frame would cost one each; the bytes and their order are the same.
+    A frame waits at most until the loop's next turn. The outbox check is made
+    on a socket's first frame of the turn: nothing is written until the flush,
+    so the later ones would find the same buffer. Whether the socket is still
+    open is checked at the flush, once per socket.
+    """
+
+    __slots__ = ("dirty", "scheduled", "traffic")
+
+    def __init__(self, traffic: Traffic) -> None:
+        self.traffic = traffic
+        self.dirty: list[Session] = []  # sessions with frames pending this turn
+        self.scheduled = False
+
+    def schedule(self) -> None:
+        if not self.scheduled:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.scheduled = False
+        dirty, self.dirty = self.dirty, []
+        opened = State.OPEN
+        writes = frames = 0
+        for session in dirty:
+            pending = session.pending
+            if pending is None:
+                continue  # written by its close
+            session.pending = None
+            ws = session.ws
+            if ws.protocol.state is not opened:
+                continue  # closed meanwhile: no data may follow a close frame
+            try:
+                ws.transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+            except Exception:  # one broken transport must not strand the others' frames
+                log.exception("write to %s failed", session)
+                continue
+            writes += 1
+            frames += session.pending_frames
+        self.traffic.socket_writes += writes
+        self.traffic.frames_sent += frames
+
+
 class Session:
     """The server's view of one client connection."""
 
@@ -83,16 +142,21 @@ class Session:
         "connection_id",
         "credits",
         "deadline",
+        "heard_at",
         "heartbeat",
         "invisible",
         "kernel_capacity",
         "kind",
+        "pending",
+        "pending_frames",
+        "pinged_at",
         "positions",
         "recovering",
         "row_ttl",
         "sync_at",
         "sync_pending",
         "traffic",
+        "turn",
         "user_id",
         "wants_presence",
         "watch_version",
@@ -119,10 +183,16 @@ class Session:
         self.close_task: asyncio.Task[None] | None = None
         self.credits = credits  # frames this socket may still send (flood control)
         self.traffic = traffic  # its node's frame counts
+        self.turn = traffic.turn  # where its frames wait for the end of the loop turn
+        self.pending: list[bytes] | None = None  # its frames of this turn, if any
+        self.pending_frames = 0  # frames they stand for (a FrameRun is several)
+        # Loop times of the last bytes read from it and of the last keepalive ping.
+        self.heard_at = 0.0
+        self.pinged_at = 0.0
         self.deadline: asyncio.TimerHandle | None = None  # closes it if it never subscribes
         self.sync_at = -1e9  # loop time of the last syncPresence answer
         self.sync_pending = False  # an answer is scheduled for the end of that second
-        self.kernel_capacity = kernel_send_capacity(ws)
+        self.kernel_capacity = kernel_send_capacity(ws.transport)
         # Stream speakers only (they sent ``since``): stream -> last (epoch, offset)
         # sent, so that replay and live never duplicate. None: a plain client.
         self.positions: dict[str, tuple[str, int]] | None = None
@@ -135,6 +205,11 @@ class Session:
     @property
     def subscribed(self) -> bool:
         return self.user_id is not None
+
+    @property
+    def open(self) -> bool:
+        """Its socket is open and no close has begun: work for it is not wasted."""
+        return self.close_task is None and self.ws.protocol.state is State.OPEN
 
     @property
     def is_bot(self) -> bool:
@@ -163,9 +238,31 @@ class Session:
         error = ErrorMessage(code, message, client_msg_id, self.acking)
         self.send(Frame(error), outbox_limit)
 
+    def send_control(self, data: bytes) -> bool:
+        """Write a control frame (``data``, framed) now; False once closing.
+
+        A control frame may go between any two frames, so this turn's frames
+        may follow it; it must not follow a close frame, which is never
+        written while the session is open and not closing."""
+        if self.close_task is not None or self.ws.protocol.state is not State.OPEN:
+            return False
+        self.ws.transport.write(data)  # not in ap_socket_writes_total: no frame of ours
+        return True
+
+    def write_pending(self) -> None:
+        """Write this turn's frames now, ahead of a close frame that must come last."""
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            if self.ws.protocol.state is State.OPEN:
+                self.ws.transport.write(b"".join(pending))
+                self.traffic.socket_writes += 1
+                self.traffic.frames_sent += self.pending_frames
+
     def close(self, code: CloseCode, reason: str) -> None:
         """Start the closing handshake without waiting for it."""
         if self.close_task is None:
+            self.write_pending()
             if self.deadline is not None:
                 self.deadline.cancel()
                 self.deadline = None
@@ -265,56 +362,82 @@ async def wait_closed(sessions: Iterable[Session], within: float) -> None:
 
 
 def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> int:
-    """Write ``frame`` to every open session; returns how many got it.
+    """Send ``frame`` to every session not closing; returns how many got it.
 
-    The WebSocket frame is serialized once per format and its bytes go straight
-    to each transport (what ``websockets.broadcast`` does, minus framing the
-    same bytes again per socket). Sessions whose outbox is over ``outbox_limit``
-    bytes are closed as slow consumers instead; nobody else waits for them.
+    The WebSocket frame is serialized once per format and its bytes join each
+    session's frames of this loop turn, written at its end (:class:`TurnWrites`;
+    ``websockets.broadcast`` would frame the same bytes again per socket).
+    Sessions whose outbox is over ``outbox_limit`` bytes are closed as slow
+    consumers instead; nobody else waits for them. Every session belongs to
+    one node, whose turn they join.
     """
     sent = 0
-    last = None
+    turn = None
+    dirty: list[Session] = []
+    text: bytes | None = None
     for session in sessions:
-        ws = session.ws
-        if ws.protocol.state is not State.OPEN or session.close_task is not None:
-            continue
-        transport = ws.transport
-        if (
-            transport.get_write_buffer_size() + session.kernel_capacity > outbox_limit
-            and session.over_limit(outbox_limit)
-        ):
-            close_slow_consumer(session)
-            continue
-        transport.write(frame.binary_wire if session.binary else frame.text_wire)
+        if session.binary:
+            data = frame.binary_wire
+        else:
+            if text is None:
+                text = frame.text_wire
+            data = text
+        pending = session.pending
+        if pending is not None:
+            # Checked at its first frame of this turn; a close since wrote and cleared it.
+            pending.append(data)
+            session.pending_frames += 1
+        else:
+            if session.close_task is not None:
+                continue
+            if (
+                session.ws.transport.get_write_buffer_size() + session.kernel_capacity
+                > outbox_limit
+                and session.over_limit(outbox_limit)
+            ):
+                close_slow_consumer(session)
+                continue
+            if turn is None:
+                turn = session.turn
+                dirty = turn.dirty
+            session.pending = [data]
+            session.pending_frames = 1
+            dirty.append(session)
         sent += 1
-        last = session
-    if last is not None:
-        # Every session written to belongs to one node: count once, on its Traffic.
-        last.traffic.frames_sent += sent
+    if turn is not None:
+        turn.schedule()
     return sent
 
 
-def send_frames(session: Session, frames: Sequence[Frame], outbox_limit: int) -> bool:
-    """Write ``frames`` to one session, in order, in one write: a replay of many
-    events costs one system call rather than one per event. False when the
-    session is closed or closing (as a slow consumer, if over ``outbox_limit``)."""
+def send_frames(session: Session, frames: Sequence[Frame | FrameRun], outbox_limit: int) -> bool:
+    """Send ``frames`` to one session, in order: with its other frames of this turn,
+    a replay of many events costs one system call rather than one per event.
+    False when the session is closed or closing (as a slow consumer, if over
+    ``outbox_limit``)."""
     if not frames:
         return True
-    ws = session.ws
-    if ws.protocol.state is not State.OPEN or session.close_task is not None:
+    if not session.open:
         return False
-    transport = ws.transport
+    if session.binary:
+        data = [frame.binary_wire for frame in frames]
+    else:
+        data = [frame.text_wire for frame in frames]
+    count = sum([frame.count for frame in frames])
+    pending = session.pending
+    if pending is not None:
+        pending.extend(data)
+        session.pending_frames += count
+        return True
     if (
-        transport.get_write_buffer_size() + session.kernel_capacity > outbox_limit
+        session.ws.transport.get_write_buffer_size() + session.kernel_capacity > outbox_limit
         and session.over_limit(outbox_limit)
     ):
         close_slow_consumer(session)
         return False
-    if session.binary:
-        transport.write(b"".join([frame.binary_wire for frame in frames]))
-    else:
-        transport.write(b"".join([frame.text_wire for frame in frames]))
-    session.traffic.frames_sent += len(frames)
+    session.pending = data
+    session.pending_frames = count
+    session.turn.dirty.append(session)
+    session.turn.schedule()
     return True
 
 
@@ -325,142 +448,3 @@ def close_slow_consumer(session: Session) -> None:
             "closing slow consumer %s", session, extra={"connection_id": session.connection_id}
         )
         session.close(CloseCode.SLOW_CONSUMER, "slow consumer")
-
-
-# --- the kernel's part of the outbox -------------------------------------------
-
-_SIOCOUTQ = getattr(termios, "TIOCOUTQ", None)  # the same request as SIOCOUTQ on Linux
-
-
-def kernel_send_capacity(ws: ServerConnection) -> int:
-    """Most bytes the kernel may hold for this socket (SO_SNDBUF as the kernel reports it)."""
-    sock = ws.transport.get_extra_info("socket")
-    if sock is None:
-        return 0
-    try:
-        capacity: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-    except OSError:
-        return 0
-    return capacity
-
-
-def kernel_unsent(transport: asyncio.BaseTransport, capacity: int) -> int:
-    """Bytes in the kernel's send queue; ``capacity`` where that cannot be read."""
-    sock = transport.get_extra_info("socket")
-    if sock is None or _SIOCOUTQ is None:
-        return capacity
-    try:
-        raw = fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0\0\0\0")
-    except OSError:
-        return capacity
-    unsent: int = struct.unpack("i", raw)[0]
-    return unsent
-
-
-# --- the socket: bounds that apply before any frame reaches the handler --------
-
-READ_SLICE_BYTES = 4096
-"""Incoming bytes are parsed this much at a time, with credits taken in between."""
-
-FRAME_CREDIT_BYTES = 4096
-"""A frame costs one flood credit, plus one per full 4 KiB it carries: handling
-a 50 KB watchGames costs what a dozen small frames do."""
-
-
-def _stay_paused() -> None:
-    pass
-
-
-class GuardedConnection(ServerConnection):
-    """A server connection whose every incoming frame spends flood credits, and
-    whose automatic replies (pongs) count against the outbox like any frame.
-
-    The library answers each ping with a pong written straight to the socket;
-    a client that pings and never reads would otherwise grow that buffer
-    without bound, outside any check the node makes.
-    """
-
-    session: Session | None = None
-    traffic: Traffic  # its node's, set by the listener on the class it makes per node
-    outbox_limit = 1024 * 1024
-    send_buffer_bytes = 0
-    flooded = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and self.send_buffer_bytes > 0:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        # A connection that ends without a closing handshake leaves the parser's
-        # EOFError, whose traceback holds the parser's frame, which holds the
-        # protocol: a cycle the raised collector thresholds keep for a long
-        # time. The traceback is of no use once the socket is gone.
-        parser_exc = self.protocol.parser_exc
-        if parser_exc is not None:
-            parser_exc.__traceback__ = None
-            parser_exc.__context__ = None
-        # asyncio's socket transport keeps its read callback as a bound method
-        # of itself (CPython 3.11): every closed transport is a cycle, ~1 KiB
-        # that only a collection of an older generation frees. It reads no more.
-        with contextlib.suppress(TypeError):
-            vars(self.transport).pop("_read_ready_cb", None)
-
-    def data_received(self, data: bytes) -> None:
-        session = self.session
-        if session is None or len(data) <= READ_SLICE_BYTES:
-            super().data_received(data)
-        else:
-            # One read may carry 256 KiB: ~13,000 tiny frames, and the library
-            # parses a whole read before any credit is taken. Parsed in slices,
-            # a flood is cut off within a slice of where its credits ran out.
-            for start in range(0, len(data), READ_SLICE_BYTES):
-                if self.flooded:
-                    break  # nothing more it sends is read
-                super().data_received(data[start : start + READ_SLICE_BYTES])
-        if session is None or self.protocol.state is not State.OPEN:
-            if session is not None and session.over_limit(2 * self.outbox_limit):
-                # Closing already, and still growing: stop waiting for the handshake.
-                self.transport.abort()
-            return
-        if session.over_limit(self.outbox_limit):
-            close_slow_consumer(session)
-
-    def process_event(self, event: object) -> None:
-        self.traffic.frames_parsed += 1
-        session = self.session
-        if (
-            session is not None
-            and session.credits is not None
-            and isinstance(event, WsFrame)
-            and self.protocol.state is State.OPEN
-            and not session.credits.take(
-                self.loop.time(), 1 + len(event.data) // FRAME_CREDIT_BYTES
-            )
-        ):
-            self._flooded(session)
-        if self.flooded and isinstance(event, WsFrame) and event.opcode in DATA_OPCODES:
-            return  # the rest of a flooder's read: not worth queueing for the handler
-        super().process_event(event)  # type: ignore[arg-type]
-
-    def _flooded(self, session: Session) -> None:
-        if session.close_task is not None:
-            return
-        self.traffic.flood_closes += 1
-        self.flooded = True
-        log.info("closing flooder %s", session)
-        session.send_error(ErrorCode.RATE_LIMITED, "too many frames: slow down", self.outbox_limit)
-        # Nothing more it sends is worth reading: what it already sent may be
-        # megabytes, and its close reply would sit behind them. So: the close
-        # frame and our end of the stream go out now, reading stops for good
-        # (the message queue would otherwise resume it as the handler drains),
-        # and the socket is dropped after --close-timeout at the latest.
-        self.protocol.send_close(CloseCode.POLICY_VIOLATION, "rate limited")
-        self.protocol.send_eof()
-        self.send_data()
-        self.recv_messages.resume = _stay_paused
-        self.transport.pause_reading()
-        session.close(CloseCode.POLICY_VIOLATION, "rate limited")

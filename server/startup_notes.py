@@ -70,6 +70,14 @@ def dev_banner(settings: Settings, ws_port: int, http_port: int) -> str:
             "An event for that game, which the client prints:",
             f"  curl -H 'Authorization: Bearer {settings.publish_secret}' "
             f"-d {shlex.quote(json.dumps(event, separators=(',', ':')))} {publish_url}",
+            *(
+                [
+                    f"A token for the bot {settings.dev_bot} (docs/bots.md, section 0):",
+                    f"  ap-realtime dev-token --bot {settings.dev_bot}",
+                ]
+                if settings.dev_bot
+                else []
+            ),
             "",
         ]
     )

@@ -7,12 +7,14 @@ Nothing here runs anything: ``build_node`` returns a node ready to ``start()``.
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
 
 from server.auth.jwks import jwks_source
 from server.auth.verify import Authenticator, BotVerifier, CognitoVerifier, DevVerifier
 from server.bus.memory import MemoryBus
 from server.bus.streams import MemoryStreams
 from server.config import Settings
+from server.coordination.bot_sessions import MemoryBotSessions
 from server.coordination.claims import MemoryClaims
 from server.coordination.dedup import Dedup, MemoryDedup, RedisClusterDedup, RedisDedup
 from server.coordination.game_lock import MemoryGameLocks
@@ -25,6 +27,9 @@ from server.services import Coordination
 from server.services.chat import RATE_WINDOW_SECONDS
 from server.store.base import Store
 from server.store.memory import MemoryStore
+
+if TYPE_CHECKING:  # the AWS parts load only when a flag asks for them
+    from server.ingress.queue_core import QueuePolling
 
 
 def build_authenticator(settings: Settings, metrics: Registry | None = None) -> Authenticator:
@@ -58,7 +63,12 @@ def build_store(settings: Settings, metrics: Registry | None = None) -> Store:
             endpoint_url=settings.dynamodb_endpoint,
             metrics=metrics,
         )
-    return MemoryStore()
+    store = MemoryStore()
+    if settings.dev_bot is not None:
+        from server.dev_bot import seed_memory
+
+        seed_memory(store, settings.dev_bot)
+    return store
 
 
 async def build_node(settings: Settings, store: Store | None = None) -> Node:
@@ -133,6 +143,7 @@ def memory_coordination(settings: Settings, metrics: Registry | None = None) -> 
         MemoryGameLocks(metrics=metrics),
         MemoryRateLimiter(settings.chat_rate, RATE_WINDOW_SECONDS),
         MemoryClaims(),
+        MemoryBotSessions(settings.node_id),
     )
 
 
@@ -142,6 +153,7 @@ def redis_coordination(settings: Settings, metrics: Registry | None = None) -> C
     Their keys carry the hash tag of a game or a user, one key per script, so
     they work unchanged on a Redis Cluster.
     """
+    from server.coordination.bot_sessions import RedisBotSessions
     from server.coordination.claims import RedisClaims
     from server.coordination.game_lock import RedisGameLocks
     from server.coordination.rate_limit import RedisRateLimiter
@@ -153,6 +165,22 @@ def redis_coordination(settings: Settings, metrics: Registry | None = None) -> C
         RedisGameLocks(url, cluster=sharded, metrics=metrics),
         RedisRateLimiter(url, "chat", settings.chat_rate, RATE_WINDOW_SECONDS, cluster=sharded),
         RedisClaims(url, "last-seen", cluster=sharded),
+        RedisBotSessions(url, settings.node_id, cluster=sharded),
+    )
+
+
+def queue_polling(settings: Settings, queue_url: str) -> QueuePolling:
+    """Both queue bridges poll with the ``--sqs-*`` settings."""
+    from server.ingress.queue_core import QueuePolling
+
+    return QueuePolling(
+        queue_url,
+        node_id=settings.node_id,
+        region=settings.region,
+        endpoint_url=settings.sqs_endpoint,
+        pollers=settings.sqs_pollers,
+        wait_seconds=settings.sqs_wait_seconds,
+        visibility_seconds=settings.sqs_visibility_seconds,
     )
 
 
@@ -166,13 +194,23 @@ def add_bridges(node: Node, settings: Settings) -> None:
                 node.publish,
                 node.bus,
                 choose_dedup(node, settings),
-                settings.sqs_queue_url,
-                node_id=settings.node_id,
-                region=settings.region,
-                endpoint_url=settings.sqs_endpoint,
-                pollers=settings.sqs_pollers,
-                wait_seconds=settings.sqs_wait_seconds,
-                visibility_seconds=settings.sqs_visibility_seconds,
+                queue_polling(settings, settings.sqs_queue_url),
+                metrics=node.metrics,
+            )
+        )
+    if settings.bot_queue_url is not None and settings.bot_webhook_queue_url is not None:
+        from server.ingress.bot_queue import BotQueueBridge
+
+        node.services.append(
+            BotQueueBridge(
+                node.publish,
+                node.bus,
+                choose_dedup(node, settings),
+                node.store,
+                node.bots.sessions,
+                queue_polling(settings, settings.bot_queue_url),
+                settings.bot_webhook_queue_url,
+                challenges_by_webhook=settings.bot_challenges_by_webhook,
                 metrics=node.metrics,
             )
         )

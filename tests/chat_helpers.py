@@ -60,3 +60,15 @@ def seed_game(
         f"{meta}#{1 if completed else 0}#{game_id}",
         {"id": game_id, "metaGame": meta, "players": [{"id": p, "name": p} for p in players]},
     )
+
+
+def put_game_row(raw: Any, table: str, players: list[str]) -> None:
+    """The ``GAME`` row of chess game g1, put with a plain boto3 client (the backend's way)."""
+    raw.put_item(
+        TableName=table,
+        Item={
+            "pk": {"S": "GAME"},
+            "sk": {"S": "chess#0#g1"},
+            "players": {"L": [{"M": {"id": {"S": p}}} for p in players]},
+        },
+    )

@@ -25,6 +25,10 @@ from websockets.typing import Subprotocol
 
 DEV_SECRET = "test-dev-secret-0123456789abcdef-0123"
 
+PATIENCE = 30.0
+"""How long a wait for the server lasts by default: a hang guard, never the thing
+measured. Generous, for a two-core machine that five test runs share."""
+
 ROUNDTRIP = re.compile(r"ap-test-roundtrip-(\d+)")
 """The unknown action :meth:`Client.barrier` sends, named in the error that answers it."""
 
@@ -32,6 +36,13 @@ ROUNDTRIP = re.compile(r"ap-test-roundtrip-(\d+)")
 def dev_token(user_id: str, *, secret: str = DEV_SECRET, expires_in: int = 600) -> str:
     now = int(time.time())
     return jwt.encode({"sub": user_id, "iat": now, "exp": now + expires_in}, secret, "HS256")
+
+
+def dev_bot_token(client_id: str, *, secret: str = DEV_SECRET, expires_in: int = 600) -> str:
+    """What ``ap-realtime dev-token --bot`` mints."""
+    from server.auth.verify import dev_bot_claims
+
+    return jwt.encode(dev_bot_claims(client_id, int(time.time()), expires_in), secret, "HS256")
 
 
 @dataclass
@@ -83,7 +94,7 @@ class Client:
         wants_presence: bool = True,
         token: str | None = None,
         since: dict[str, Any] | None = None,
-        within: float = 5.0,
+        within: float = PATIENCE,
     ) -> None:
         message: dict[str, Any] = {
             "action": "subscribe",
@@ -131,7 +142,7 @@ class Client:
         ]
 
     async def wait_recovered(
-        self, stream: str, count: int = 1, within: float = 5.0
+        self, stream: str, count: int = 1, within: float = PATIENCE
     ) -> dict[str, Any]:
         """The ``count``-th ``recovered`` answer for ``stream``."""
         await self.wait_for(lambda: len(self.recovered(stream)) >= count, within)
@@ -142,7 +153,7 @@ class Client:
         """Every frame read from the server, the answers to :meth:`barrier` included."""
         return len(self.messages) + len(self._answered)
 
-    async def barrier(self, within: float = 5.0) -> None:
+    async def barrier(self, within: float = PATIENCE) -> None:
         """Returns once the server has handled everything sent before it.
 
         An unknown action is answered with an error frame naming it, in order, and
@@ -154,7 +165,7 @@ class Client:
         await self.send({"action": f"ap-test-roundtrip-{number}"})
         await self.wait_for(lambda: number in self._answered, within)
 
-    async def sync_presence(self, within: float = 5.0) -> None:
+    async def sync_presence(self, within: float = PATIENCE) -> None:
         """``syncPresence``, and wait for the snapshot that answers it (at most one a
         second per socket: this may wait that long). It also counts as the user being
         seen (lastSeen)."""
@@ -204,12 +215,12 @@ class Client:
         state.seq = seq
         state.deltas.append(seq)
 
-    async def wait_for(self, predicate: Callable[[], bool], within: float = 5.0) -> None:
+    async def wait_for(self, predicate: Callable[[], bool], within: float = PATIENCE) -> None:
         async with asyncio.timeout(within), self._changed:
             await self._changed.wait_for(predicate)
 
     async def next_message(
-        self, predicate: Callable[[dict[str, Any]], bool], within: float = 5.0
+        self, predicate: Callable[[dict[str, Any]], bool], within: float = PATIENCE
     ) -> dict[str, Any]:
         """The first message (already received or not) that matches."""
         found: list[dict[str, Any]] = []
@@ -227,7 +238,7 @@ class Client:
     def of_verb(self, verb: str) -> list[dict[str, Any]]:
         return [m for m in self.messages if m.get("verb") == verb]
 
-    async def closed(self, within: float = 5.0) -> tuple[int | None, str]:
+    async def closed(self, within: float = PATIENCE) -> tuple[int | None, str]:
         async with asyncio.timeout(within):
             await self.ws.wait_closed()
         return self.ws.close_code, self.ws.close_reason or ""

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from loadtest.harness.faults import DynamoFaultProxy as DynamoFaultProxy
-from loadtest.harness.servers import redis_ping
+from loadtest.harness.servers import REPO_ROOT, redis_ping
 
 HOST = "127.0.0.1"
 DYNAMODB_ENDPOINT_ENV = "AP_TEST_DYNAMODB_ENDPOINT"
@@ -136,10 +136,8 @@ class MotoServer:
 
 
 def _moto_command(port: int) -> list[str]:
-    script = shutil.which("moto_server")
-    if script is not None:
-        return [script, "-H", HOST, "-p", str(port)]
-    return [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)]
+    # moto behind the launcher that makes its DynamoDB requests atomic, as DynamoDB's are.
+    return [sys.executable, "-m", "loadtest.harness.moto_server", "-H", HOST, "-p", str(port)]
 
 
 def _http_answers(url: str) -> bool:
@@ -163,6 +161,7 @@ def start_moto_server(timeout: float = 30.0, port: int | None = None) -> MotoSer
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        cwd=REPO_ROOT,
     )
     log.close()
     server = MotoServer(port=port, process=process, log_path=log.name)
@@ -286,14 +285,26 @@ class RedisServer:
                 time.sleep(0.1)
 
 
+PORT_ATTEMPTS = 3
+
+
 def start_redis_server(timeout: float = 10.0) -> RedisServer:
     """Launch ``redis-server`` on a free port and wait until it answers PING."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise ServiceError("redis-server is not installed (not found on PATH)")
-    server = RedisServer(port=free_port(), binary=binary)
-    server.start(timeout=timeout)
-    return server
+    # A free port is picked, then bound by redis-server: a parallel test may take it
+    # in between, and then another is picked.
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        server = RedisServer(port=free_port(), binary=binary)
+        try:
+            server.start(timeout=timeout)
+        except ServiceError as exc:
+            if "Address already in use" not in str(exc) or attempt == PORT_ATTEMPTS:
+                raise
+        else:
+            return server
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager

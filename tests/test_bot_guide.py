@@ -1,8 +1,10 @@
 """The example bot of docs/bots.md, run as written against a real node: through an
-HTTP 503 at upgrade, a restart, a 1013, with every turn played once.
+HTTP 503 at upgrade, a restart, a 1013, with every turn played once. And the guide's
+five-minute walk-through, its commands run as ``ap-realtime`` processes.
 
-The code block is cut out of the guide, written to a file and imported, so a
-change that breaks the guide breaks this test.
+The code blocks are cut out of the guide, written to a file and imported (the shell
+blocks' ``ap-realtime`` lines run as they are, plus this test's ports and table), so
+a change that breaks the guide breaks this test.
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
+import os
 import re
+import secrets
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
@@ -19,11 +29,13 @@ from typing import Any
 
 import pytest
 
-from apclient import FileStorage
+from apclient import ClientStopped, FileStorage
 from protocol.errors import CloseCode
 from server.store import BotRecord, CurrentGame, MemoryStore
+from tests.client import Client
 from tests.cluster.harness import eventually
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
+from tests.services import free_port
 from tests.tokens import BOT_SCOPE, JwksServer
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "bots.md"
@@ -37,17 +49,19 @@ async def publish_turn(server: RunningServer, game_id: str) -> None:
     assert status == 202, reply
 
 
-def example_source() -> str:
+def example_source(name: str = "bot.py") -> str:
     text = GUIDE.read_text()
-    found = re.search(r"<!-- example: bot\.py[^>]*-->\s*```python\n(.*?)```", text, re.DOTALL)
-    assert found is not None, "docs/bots.md lost its example block"
+    pattern = rf"<!-- example: {re.escape(name)}[^>]*-->\s*```python\n(.*?)```"
+    found = re.search(pattern, text, re.DOTALL)
+    assert found is not None, f"docs/bots.md lost its example block {name}"
     return found.group(1)
 
 
-def load_example(tmp_path: Path) -> ModuleType:
-    path = tmp_path / "bot_example.py"
-    path.write_text(example_source())
-    spec = importlib.util.spec_from_file_location("bot_example", path)
+def load_example(tmp_path: Path, name: str = "bot.py") -> ModuleType:
+    module_name = "example_" + name.removesuffix(".py")
+    path = tmp_path / f"{module_name}.py"
+    path.write_text(example_source(name))
+    spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -151,3 +165,126 @@ async def test_the_guide_example_plays_every_turn_through_refusals_and_reconnect
 def stored(path: Path) -> int | None:
     position = FileStorage(path).load().get(f"user:{BOT}")
     return None if position is None else position.offset
+
+
+# ------------------------------------------------------------ the five-minute walk-through
+
+
+def walkthrough(name: str) -> list[list[str]]:
+    """The ``ap-realtime`` commands of one shell block of the guide, as argv lists
+    (``&`` and redirections dropped: the test runs and reads them itself)."""
+    text = GUIDE.read_text()
+    found = re.search(rf"<!-- walkthrough: {name}[^>]*-->\s*```sh\n(.*?)```", text, re.DOTALL)
+    assert found is not None, f"docs/bots.md lost its walk-through {name}"
+    commands = []
+    for line in found.group(1).splitlines():
+        line = line.split(">")[0].strip().removesuffix("&").strip()
+        if line.startswith("ap-realtime "):
+            commands.append(shlex.split(line)[1:])
+    return commands
+
+
+def ap_realtime(argv: list[str], env: dict[str, str]) -> str:
+    """One short command, as ``ap-realtime`` runs it; its stdout."""
+    done = subprocess.run(
+        [sys.executable, "-m", "server", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@contextlib.asynccontextmanager
+async def serving(argv: list[str], env: dict[str, str], tmp_path: Path) -> AsyncIterator[str]:
+    """``ap-realtime serve`` on free ports; yields its WebSocket URL once it is ready."""
+    port, http_port = free_port(), free_port()
+    log = (tmp_path / "serve.log").open("wb")
+    process = await asyncio.to_thread(
+        subprocess.Popen,
+        [sys.executable, "-m", "server", *argv, "--port", str(port), "--http-port", str(http_port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not await asyncio.to_thread(_ready, http_port):
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            await asyncio.sleep(0.2)
+        yield f"ws://127.0.0.1:{port}/"
+    finally:
+        process.terminate()
+        try:
+            await asyncio.to_thread(process.wait, 15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def _ready(http_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=2) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def dev_environment(**extra: str) -> dict[str, str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("AP_")}
+    return environ | {"AP_DEV_JWT_SECRET": secrets.token_hex(32)} | extra
+
+
+async def refused_as_an_unknown_bot(url: str, token: str) -> None:
+    client = await Client.open(url)
+    try:
+        await client.send({"action": "subscribe", "token": token})
+        error = await client.next_message(lambda m: m["verb"] == "error", within=10)
+        assert error["payload"]["code"] == "unauthorized"
+        code, _ = await client.closed(within=10)
+        assert code == CloseCode.POLICY_VIOLATION
+    finally:
+        await client.close()
+
+
+async def test_the_five_minute_walkthrough_on_the_embedded_store(tmp_path: Path) -> None:
+    env = dev_environment()
+    commands = walkthrough("embedded")
+    (serve,) = [c for c in commands if c[0] == "serve"]
+    (mint,) = [c for c in commands if c[0] == "dev-token"]
+    assert "--dev-bot" in serve and "--bot" in mint
+    bot = mint[mint.index("--bot") + 1]
+    first_turn = load_example(tmp_path, "first_turn.py").first_turn
+    async with serving(serve, env, tmp_path) as url:
+        token = ap_realtime(mint, env)
+        turn = await asyncio.wait_for(first_turn(url, token), 30)
+        assert turn == ("chess", f"dev-game-{bot}")
+        # Without a BOT row: unauthorized, then 1008, and the SDK stops.
+        nobody = ap_realtime(["dev-token", "--bot", "nobody"], env)
+        await refused_as_an_unknown_bot(url, nobody)
+        with pytest.raises(ClientStopped):
+            await asyncio.wait_for(first_turn(url, nobody), 30)
+
+
+async def test_the_five_minute_walkthrough_on_dynamodb(
+    tmp_path: Path, dynamodb_endpoint: str
+) -> None:
+    env = dev_environment()
+    table = f"walkthrough-{uuid.uuid4().hex[:10]}"
+    commands = [
+        [dynamodb_endpoint if a == "http://localhost:8000" else a for a in c] + ["--table", table]
+        for c in walkthrough("dynamodb")
+    ]
+    assert [c[0] for c in commands] == ["create-table", "seed-bot", "serve"]
+    bot = commands[1][commands[1].index("--client-id") + 1]
+    for command in commands[:2]:
+        ap_realtime(command, env)
+    first_turn = load_example(tmp_path, "first_turn.py").first_turn
+    async with serving(commands[2], env, tmp_path) as url:
+        token = ap_realtime(["dev-token", "--bot", bot], env)
+        assert await asyncio.wait_for(first_turn(url, token), 30) == ("chess", f"dev-game-{bot}")
+        await refused_as_an_unknown_bot(url, ap_realtime(["dev-token", "--bot", "nobody"], env))

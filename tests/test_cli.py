@@ -188,7 +188,6 @@ def test_log_format_json_writes_one_object_per_line_with_the_node_id() -> None:
 async def test_a_signal_during_start_up_stops_it_at_once_and_leaks_nothing(
     dynamodb_endpoint: str, table: str
 ) -> None:
-    from server.presence.redis import START_TIMEOUT
     from tests.services import free_port
 
     # Redis is unreachable, so start-up retries (for START_TIMEOUT, were it not stopped).
@@ -206,13 +205,12 @@ async def test_a_signal_during_start_up_stops_it_at_once_and_leaks_nothing(
             line = (await process.stdout.readline()).decode()
             assert line, "".join(lines)  # it exited instead
             lines.append(line)
-    signalled = time.monotonic()
     process.send_signal(signal.SIGTERM)
     raw, _ = await asyncio.wait_for(process.communicate(), 60)
     output = "".join(lines) + raw.decode()
-    # Cancelled, not left to wait out its retries: sooner than they would have ended.
+    # Cancelled, not left to wait out its retries (which end in "cannot start").
     assert "stopped during start-up" in output, output
-    assert time.monotonic() - signalled < START_TIMEOUT, output
+    assert "cannot start" not in output, output
     assert "Unclosed" not in output and "Traceback" not in output, output
     assert process.returncode == 0, output
 

@@ -31,6 +31,7 @@ from protocol.messages import (
     GameEvent,
     Heartbeat,
     PendingTurns,
+    Ply,
     Position,
     Positioned,
     PresenceDelta,
@@ -70,6 +71,18 @@ def game_events() -> st.SearchStrategy[GameEvent]:
     )
 
 
+plies = st.none() | st.builds(
+    Ply, st.none() | count, st.none() | st.integers(0, 2**53) | st.floats(0, 1e13)
+).filter(lambda p: p.moves is not None or p.time is not None)
+
+
+def pending_turns(entries: list[tuple[tuple[str, str], Ply | None]]) -> PendingTurns:
+    """The canonical form: plies only when some game names one."""
+    plies = tuple(ply for _, ply in entries)
+    games = tuple(ref for ref, _ in entries)
+    return PendingTurns(games, plies if any(p is not None for p in plies) else ())
+
+
 server_messages: st.SearchStrategy[ServerMessage] = st.one_of(
     st.builds(PresenceSnapshot, count, count, st.lists(text, max_size=4).map(tuple)),
     st.builds(
@@ -91,7 +104,7 @@ server_messages: st.SearchStrategy[ServerMessage] = st.one_of(
     ),
     st.builds(Skip, text, text, count),
     st.builds(Recovered, text, st.booleans(), text, count),
-    st.builds(PendingTurns, st.lists(st.tuples(text, text), max_size=3).map(tuple)),
+    st.lists(st.tuples(st.tuples(text, text), plies), max_size=3).map(pending_turns),
     st.builds(ChatAck, text, count),
     st.builds(ErrorMessage, text, text, st.none() | text, st.none() | text),
     st.builds(AdminTest, json_values),

@@ -93,6 +93,7 @@ def test_both_bridges_run_on_a_redis_cluster() -> None:
         (["--bot-cognito-issuer", "https://bots"], {}, "go together"),
         (["--bot-scope", "s/communicate"], {}, "go together"),
         (["--bot-max-connections", "0"], {}, "at least 1"),
+        (["--bot-challenges-by-webhook"], {}, "needs --bot-queue-url"),
         (
             [
                 "--bot-cognito-issuer=https://pool/",
@@ -109,6 +110,8 @@ def test_both_bridges_run_on_a_redis_cluster() -> None:
         (["--max-connections", "-1"], {}, "max-connections must not be negative"),
         ([], {"AP_FLOOD_CREDITS": "0"}, "flood-credits must be positive"),
         (["--flood-window-seconds", "0"], {}, "flood-window-seconds must be positive"),
+        (["--ping-interval", "0"], {}, "ping-interval must be positive"),
+        ([], {"AP_PING_TIMEOUT": "-1"}, "ping-timeout must be positive"),
         (["--heartbeat-seconds", "0"], {}, "heartbeat-seconds must be from 1 to 300"),
         ([], {"AP_HEARTBEAT_SECONDS": "301"}, "heartbeat-seconds must be from 1 to 300"),
     ],

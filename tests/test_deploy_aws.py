@@ -39,10 +39,6 @@ from server.config import Settings, load
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ROOT / "deploy" / "aws" / "ap-realtime.yaml"
 
-# Issue 18's bot bridge: the template wires its variables before server/config.py has them
-# (until then the server ignores them). Drop this once Settings has both.
-PENDING_SETTINGS = {"AP_BOT_QUEUE_URL", "AP_BOT_WEBHOOK_QUEUE_URL"}
-
 Node = Any
 """A node of the parsed template: a dict, a list, a str or a number."""
 
@@ -250,7 +246,10 @@ FEATURES: dict[str, Feature] = {
     ),
     "BotQueuePolicy": Feature(
         "BotBridgeOn",
-        {"queue": {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility"}},
+        {
+            "queue": {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility"},
+            "table": {"dynamodb:DeleteItem"},
+        },
         "BotQueueUrl",
         "BotQueueUrl",
         "AP_BOT_QUEUE_URL",
@@ -304,6 +303,8 @@ def _nested(condition: str) -> set[str]:
 # The DynamoDB calls of the store that only the stream reader makes (its fence and its
 # checkpoints): permitted only with the notifications.
 STREAM_STORE_FUNCTIONS = {"take_stream_fence", "stream_checkpoints", "save_stream_checkpoint"}
+# The one the bot bridge's candidates need beyond every node's: their prune.
+BOT_STORE_FUNCTIONS = {"drop_bot_candidate"}
 # The `create-table` command, run once by whoever creates the table; never by `serve`.
 NOT_SERVE = {"create_table"}
 
@@ -362,10 +363,15 @@ def test_the_permissions_are_what_the_code_calls() -> None:
     calls = _store_calls()
     assert {"batch_write_item", "query", "update_item"} <= set(calls), "the scan found nothing"
     serve = {op: fns - NOT_SERVE for op, fns in calls.items() if fns - NOT_SERVE}
-    core = {"dynamodb:" + _camel(op) for op, fns in serve.items() if fns - STREAM_STORE_FUNCTIONS}
-    stream_only = {"dynamodb:" + _camel(op) for op in serve} - core
+    special = STREAM_STORE_FUNCTIONS | BOT_STORE_FUNCTIONS
+    core = {"dynamodb:" + _camel(op) for op, fns in serve.items() if fns - special}
+    stream_only = {
+        "dynamodb:" + _camel(op) for op, fns in serve.items() if fns & STREAM_STORE_FUNCTIONS
+    }
+    bot_only = {"dynamodb:" + _camel(op) for op, fns in serve.items() if fns & BOT_STORE_FUNCTIONS}
     assert _actions("TablePolicy", "table") == core
-    assert _actions("NotificationsPolicy", "table") == stream_only == {"dynamodb:PutItem"}
+    assert _actions("NotificationsPolicy", "table") == stream_only - core == {"dynamodb:PutItem"}
+    assert _actions("BotQueuePolicy", "table") == bot_only - core == {"dynamodb:DeleteItem"}
 
     ingress = ROOT / "server" / "ingress"
     reader_tables = _client_calls(ingress / "table_stream.py", {"_tables"})
@@ -376,10 +382,14 @@ def test_the_permissions_are_what_the_code_calls() -> None:
     )
 
     # DeleteMessageBatch and ChangeMessageVisibilityBatch are authorized by the single actions.
-    bridge = _client_calls(ingress / "sqs.py", {"_client"})
-    assert {"sqs:" + _camel(op.removesuffix("_batch")) for op in bridge} == _actions(
-        "BroadcastQueuePolicy", "queue"
-    )
+    # Both bridges consume through the shared core; only the bot bridge sends.
+    consume = _client_calls(ingress / "queue_core.py", {"_client"})
+    consumed = {"sqs:" + _camel(op.removesuffix("_batch")) for op in consume}
+    assert consumed == _actions("BroadcastQueuePolicy", "queue")
+    assert consumed == _actions("BotQueuePolicy", "queue")
+    assert not _client_calls(ingress / "sqs.py", {"_client"})
+    forward = _client_calls(ingress / "bot_queue.py", {"_client"})
+    assert {"sqs:" + _camel(op) for op in forward} == _actions("BotForwardPolicy", "queue")
 
 
 def test_the_iam_table_of_deploy_md_says_what_the_template_grants() -> None:
@@ -542,7 +552,7 @@ def test_redis_mode_picks_the_cluster_or_the_single_url() -> None:
 def test_every_variable_is_a_server_setting() -> None:
     known = {"AP_" + name.upper() for name in Settings.__dataclass_fields__}
     named = set(environment()) | {s["Name"] for s in container()["Secrets"]}
-    assert named - known <= PENDING_SETTINGS, named - known - PENDING_SETTINGS
+    assert named <= known, named - known
     assert literal("AP_STORE") == "dynamodb"
 
 
@@ -762,7 +772,8 @@ def test_stack_in_moto(aws: dict[str, str], every_feature: bool) -> None:
             }
             | {("dynamodb:PutItem", table_arn)},
             "broadcast-queue": {(a, queue(parameters["BroadcastQueueUrl"])) for a in queue_actions},
-            "bot-queue": {(a, queue(parameters["BotQueueUrl"])) for a in queue_actions},
+            "bot-queue": {(a, queue(parameters["BotQueueUrl"])) for a in queue_actions}
+            | {("dynamodb:DeleteItem", table_arn)},
             "bot-forward-queue": {("sqs:SendMessage", queue(parameters["BotWebhookQueueUrl"]))},
         }
     else:
@@ -790,7 +801,12 @@ def test_stack_in_moto(aws: dict[str, str], every_feature: bool) -> None:
         f"https://cognito-idp.us-east-1.amazonaws.com/{parameters['CognitoUserPoolId']}"
     )
     assert (settings.host, settings.port, settings.http_port) == ("0.0.0.0", 8765, 8766)
-    feature_variables = {"AP_NOTIFICATIONS_FROM_STREAM", "AP_SQS_QUEUE_URL", *PENDING_SETTINGS}
+    feature_variables = {
+        "AP_NOTIFICATIONS_FROM_STREAM",
+        "AP_SQS_QUEUE_URL",
+        "AP_BOT_QUEUE_URL",
+        "AP_BOT_WEBHOOK_QUEUE_URL",
+    }
     if every_feature:
         assert settings.redis_cluster_url == "redis://redis.dropped-for-moto.invalid:6379"
         assert settings.redis_url is None
@@ -800,13 +816,14 @@ def test_stack_in_moto(aws: dict[str, str], every_feature: bool) -> None:
             "https://cognito-idp.us-east-1.amazonaws.com/us-east-1_BotPool22"
         )
         assert settings.bot_scope == parameters["BotScope"]
-        assert env["AP_BOT_QUEUE_URL"] == parameters["BotQueueUrl"]
-        assert env["AP_BOT_WEBHOOK_QUEUE_URL"] == parameters["BotWebhookQueueUrl"]
+        assert settings.bot_queue_url == parameters["BotQueueUrl"]
+        assert settings.bot_webhook_queue_url == parameters["BotWebhookQueueUrl"]
     else:
         assert settings.redis_url == "redis://redis.dropped-for-moto.invalid:6379/0"
         assert settings.redis_cluster_url is None
         assert not settings.notifications_from_stream and settings.sqs_queue_url is None
         assert settings.bot_cognito_issuer is None
+        assert settings.bot_queue_url is None and settings.bot_webhook_queue_url is None
         assert not feature_variables & set(env)
     drain = settings.drain_seconds + settings.drain_move_grace_ms / 1000
     assert box["stopTimeout"] > drain + 2 * settings.presence_debounce

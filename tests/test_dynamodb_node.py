@@ -173,7 +173,6 @@ async def test_clients_stay_connected_through_a_dynamodb_outage_and_nothing_is_l
 
 def test_unreachable_dynamodb_at_start_exits_non_zero_with_a_clear_message() -> None:
     closed = f"http://127.0.0.1:{free_port()}"
-    started = time.monotonic()
     result = subprocess.run(
         [
             sys.executable,
@@ -193,7 +192,6 @@ def test_unreachable_dynamodb_at_start_exits_non_zero_with_a_clear_message() -> 
     )
     assert result.returncode == 2
     assert "cannot start" in result.stderr and closed in result.stderr
-    assert time.monotonic() - started < 30
 
 
 def test_create_table_command_makes_the_table_with_ttl(dynamodb_endpoint: str, raw: Any) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import gc
 import json
 import socket
+import struct
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,7 +22,7 @@ from websockets.frames import Frame as WsFrame
 from websockets.frames import Opcode
 
 from protocol.parse import parse_broadcast
-from server.session import READ_SLICE_BYTES
+from server.ingress.connection import READ_SLICE_BYTES
 from tests.client import DEV_SECRET, dev_token
 from tests.conftest import PUBLISH_SECRET, RunningServer
 
@@ -172,17 +173,15 @@ async def test_a_frame_flood_is_closed_and_a_bystander_is_served_meanwhile(
 
     flooding = asyncio.create_task(flood())
     await asyncio.sleep(0.05)
-    started = time.monotonic()
     await server.publish({"verb": "game", "payload": {"meta": "chess", "id": "g1"}})
-    await bystander.next_message(lambda m: m["verb"] == "game")
-    latency = time.monotonic() - started
+    await bystander.next_message(lambda m: m["verb"] == "game", within=30)
     assert (await flooder.closed())[0] == 1008
     await flooding
     errors = flooder.of_verb("error")
     assert errors[-1]["payload"]["code"] == "rate_limited"
     # answered no more frames than its credits (plus those queued when they ran out)
+    # (so the bystander waited behind at most that many frames, not 20,000)
     assert len(errors) <= handled_before + 20
-    assert latency < 2.0  # generous: the machine is shared; before, the flood ran unchecked
 
 
 @pytest.mark.parametrize("server", [{"flood_credits": 10**6}], indirect=True)
@@ -267,7 +266,9 @@ async def test_over_the_node_cap_the_upgrade_gets_503(server: RunningServer) -> 
     assert "503" in str(refused.value)
 
 
-@pytest.mark.parametrize("server", [{"accept_rate": 2.0}], indirect=True)
+@pytest.mark.parametrize(
+    "server", [{"accept_rate": 2.0, "accept_queue_seconds": 0.0}], indirect=True
+)
 async def test_over_the_accept_rate_the_upgrade_gets_503_with_retry_after(
     server: RunningServer,
 ) -> None:
@@ -278,6 +279,66 @@ async def test_over_the_accept_rate_the_upgrade_gets_503_with_retry_after(
     assert int(headers["retry-after"]) >= 1
     await asyncio.sleep(1.0)
     await server.client()  # the bucket refilled
+
+
+@pytest.mark.parametrize(
+    "server", [{"accept_rate": 1.0, "accept_queue_seconds": 4.0}], indirect=True
+)
+async def test_a_storm_over_the_accept_rate_is_paced_not_refused(server: RunningServer) -> None:
+    """Four upgrades at once against 1/s with one token of burst: those past the
+    burst wait their turn (the bucket's debt, up to 3 s here) and every one opens."""
+    statuses = await asyncio.gather(*(raw_upgrade(server.ws_url) for _ in range(4)))
+    assert [status for status, _ in statuses] == [101] * 4
+    metrics = server.node.metrics
+    assert metrics.value("ap_refused_upgrades_total") == 0
+    assert metrics.value("ap_accepted_upgrades_total") == 4
+    # one token at the start; none held only if the four came a second apart each
+    assert metrics.value("ap_paced_upgrades_total") >= 1
+
+
+@pytest.mark.parametrize("abort", [False, True], ids=["fin", "reset"])
+@pytest.mark.parametrize(
+    "server", [{"accept_rate": 1.0, "accept_queue_seconds": 4.0}], indirect=True
+)
+async def test_a_client_gone_while_its_upgrade_waits_never_reaches_the_handler(
+    server: RunningServer, abort: bool
+) -> None:
+    """A reconnect storm's clients time out while their upgrades are held or
+    queued: the node must not open a session (nor subscribe, nor recover) for
+    a socket whose client already left. The websockets library skips the
+    response and the handler once the connection is lost; this guards it."""
+    node = server.node
+    opened: list[object] = []
+    open_session = node.opened
+
+    def spy(session: Any) -> None:
+        opened.append(session)
+        open_session(session)
+
+    node.opened = spy  # type: ignore[method-assign]
+    await server.client()  # takes this second's token: the next upgrade is held
+    assert len(opened) == 1
+    address = urlsplit(server.ws_url)
+    gone = socket.create_connection((address.hostname, address.port))
+    gone.sendall(
+        (
+            f"GET / HTTP/1.1\r\nHost: {address.netloc}\r\nUpgrade: websocket\r\n"
+            "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
+    await asyncio.sleep(0.2)  # read and held (or not yet read: gone all the same)
+    if abort:
+        gone.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    gone.close()
+    metrics = node.metrics
+    for _ in range(100):  # its turn comes within the 4 s queue
+        if metrics.value("ap_accepted_upgrades_total") >= 2:
+            break
+        await asyncio.sleep(0.1)
+    assert metrics.value("ap_accepted_upgrades_total") == 2
+    await server.client()  # a later upgrade is handled after the gone one's turn
+    assert len(opened) == 2, "the gone client's socket got a session"
 
 
 async def raw_upgrade(url: str) -> tuple[int, dict[str, str]]:
@@ -308,10 +369,9 @@ async def raw_upgrade(url: str) -> tuple[int, dict[str, str]]:
 async def test_a_socket_that_never_subscribes_is_closed_with_4408(server: RunningServer) -> None:
     parked = await server.client()
     subscribed = await server.subscribed("alice")
-    started = time.monotonic()
-    assert (await parked.closed(within=5))[0] == 4408
-    assert time.monotonic() - started < 4
-    await asyncio.sleep(0.6)
+    # Closed by the deadline: it never subscribes, so only the deadline can close it.
+    assert (await parked.closed(within=30))[0] == 4408
+    await asyncio.sleep(0.6)  # a lower bound: the subscribed one's deadline has passed too
     assert subscribed.ws.close_code is None
     await subscribed.barrier()
 
@@ -349,9 +409,10 @@ async def test_a_non_reading_client_is_dropped_within_the_close_timeout(
     session = await publish_until_closed(server)
     # what it held when it was closed: user space plus the kernel, about the limit
     assert session.unsent_bytes(0) <= 256 * 1024 + 64 * 1024
-    decided = time.monotonic()
-    await wait_until(lambda: session not in server.node.sessions, within=5)
-    assert time.monotonic() - decided < 1.0 + 1.5  # --close-timeout plus a margin
+    # The client never reads, so its closing handshake never completes: the
+    # session goes only when the close timeout aborts it (pings are a minute
+    # apart, far past this deadline).
+    await wait_until(lambda: session not in server.node.sessions, within=30)
     ws.transport.abort()
 
 
@@ -368,6 +429,20 @@ async def test_a_slow_client_that_reads_again_sees_4008(server: RunningServer) -
             async for _ in ws:
                 pass
     assert ws.close_code == 4008
+
+
+async def test_a_session_keeps_no_handshake_headers_and_still_reads_frames(
+    server: RunningServer,
+) -> None:
+    # forget_handshake replaces the library's request with an empty stand-in:
+    # the library must still take the next events as frames, not as a request.
+    client = await server.subscribed("alice", games=[("chess", "g1")])
+    (session,) = list(server.node.sessions)
+    assert session.ws.request is not None and len(session.ws.request.headers) == 0
+    assert session.ws.response is None
+    await client.watch([("chess", "g2")])
+    await client.barrier()
+    assert session.watching == frozenset({"chess#g2"})
 
 
 # --- 7. churn leaves no cycles behind ------------------------------------------

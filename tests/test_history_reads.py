@@ -17,6 +17,7 @@ from protocol.streams import HistoryRead
 from server.bus import MemoryBus
 from server.bus.streams import HistoryAsk, MemoryStreams
 from server.routing.history_reads import HistoryReads
+from tests.cluster.harness import eventually
 
 
 class CountingStreams(MemoryStreams):
@@ -73,12 +74,10 @@ async def test_an_ask_made_while_a_batch_is_out_gets_a_later_read() -> None:
     reads = HistoryReads(streams)
     streams.hold.clear()
     first = asyncio.create_task(reads.read("game:chess#a", 0))
-    await asyncio.sleep(0.01)
-    assert len(streams.batches) == 1
+    await eventually(lambda: len(streams.batches) == 1, 30)
     await append(streams, "a", 1)  # after the first batch went out
     second = asyncio.create_task(reads.read("game:chess#a", 0))
-    await asyncio.sleep(0.01)
-    assert len(streams.batches) == 2  # two in flight at once by default
+    await eventually(lambda: len(streams.batches) == 2, 30)  # two in flight at once by default
     streams.hold.set()
     assert (await first).top in (2, 3)  # held, then read: it may see the later event
     later = await second
@@ -124,7 +123,7 @@ async def test_an_asker_that_goes_away_does_not_cancel_the_read_for_the_others()
     streams.hold.clear()
     leaving = asyncio.create_task(reads.read("game:chess#a", 0))
     staying = asyncio.create_task(reads.read("game:chess#a", 0))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: len(streams.batches) == 1, 30)
     leaving.cancel()
     streams.hold.set()
     assert numbers(await staying) == [0, 1]
@@ -137,9 +136,9 @@ async def test_close_cancels_what_waits() -> None:
     reads = HistoryReads(streams, in_flight=1)
     streams.hold.clear()
     out = asyncio.create_task(reads.read("game:chess#a", 0))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: len(streams.batches) == 1, 30)
     queued = asyncio.create_task(reads.read("game:chess#b", 0))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: reads.queued == 1, 30)
     await reads.close()
     for task in (out, queued):
         with pytest.raises(asyncio.CancelledError):
@@ -158,3 +157,50 @@ async def test_events_are_decoded_once_across_batches_and_junk_ends_the_run() ->
     assert first.top == second.top == 4
     assert numbers(first) == numbers(second) == [0, 1]  # the hole at 3 ends what is usable
     assert all(a[1] is b[1] for a, b in zip(first.entries, second.entries, strict=True))
+
+
+async def test_read_each_answers_every_ask_in_its_place_sharing_the_batch() -> None:
+    streams = CountingStreams()
+    await append(streams, "a", 3)
+    await append(streams, "b", 1)
+    reads = HistoryReads(streams)
+    asks = [("game:chess#a", 1), ("game:chess#b", 0), ("game:chess#c", 0)]
+    one, other = await asyncio.gather(reads.read_each(asks), reads.read_each(asks[:1]))
+    assert streams.batches == [asks]  # both askers in one round trip
+    assert [numbers(read) for read in one if isinstance(read, HistoryRead)] == [[1, 2], [0], []]
+    assert [read.top for read in one if isinstance(read, HistoryRead)] == [3, 1, 0]
+    assert other[0] is one[0]
+
+
+async def test_read_each_puts_a_failed_read_in_its_place() -> None:
+    streams = CountingStreams()
+    reads = HistoryReads(streams)
+    streams.fail = ConnectionError("redis away")
+    got = await reads.read_each([("game:chess#a", 0), ("game:chess#b", 0)])
+    assert [type(read) for read in got] == [ConnectionError, ConnectionError]
+
+
+async def test_a_read_each_that_goes_away_leaves_the_reads_to_the_others() -> None:
+    streams = CountingStreams()
+    await append(streams, "a", 2)
+    reads = HistoryReads(streams)
+    streams.hold.clear()
+    leaving = asyncio.create_task(reads.read_each([("game:chess#a", 0), ("game:chess#b", 0)]))
+    staying = asyncio.create_task(reads.read("game:chess#a", 0))
+    await eventually(lambda: len(streams.batches) == 1, 30)
+    leaving.cancel()
+    streams.hold.set()
+    assert numbers(await staying) == [0, 1]
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+
+
+async def test_read_each_of_reads_cancelled_by_close_holds_cancellations() -> None:
+    streams = CountingStreams()
+    reads = HistoryReads(streams)
+    streams.hold.clear()
+    asking = asyncio.create_task(reads.read_each([("game:chess#a", 0)]))
+    await eventually(lambda: len(streams.batches) == 1, 30)
+    await reads.close()
+    got = await asking
+    assert [type(read) for read in got] == [asyncio.CancelledError]

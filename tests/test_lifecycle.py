@@ -167,3 +167,20 @@ async def test_resubscribe_as_another_user_is_refused(server: RunningServer) -> 
     assert error["payload"]["code"] == "user_mismatch"
     await alice.barrier()
     assert server.node.index.by_user.keys() == {"alice"}
+
+
+@pytest.mark.parametrize("server", [FAST_KEEPALIVE], indirect=True)
+async def test_keepalive_pings_a_live_peer_from_the_node_and_keeps_it(
+    server: RunningServer,
+) -> None:
+    """One node-wide sweep pings every socket; websockets' task per socket is off."""
+    alice = await server.subscribed("alice")
+    (session,) = [s for s in server.node.sessions if s.user_id == "alice"]
+    assert session.ws.keepalive_task is None  # the library pings nobody itself
+    first_ping = session.pinged_at
+    # Several intervals and timeouts: each ping answered by the client's library.
+    await asyncio.sleep(2.0)
+    assert session.pinged_at - first_ping > 0.2  # pinged more than once
+    # Unanswered for 0.3 s, it would have been closed: the pongs came back.
+    assert session.close_task is None and "alice" in server.node.index.by_user
+    await alice.barrier()

@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 
 from server.config import Settings
-from server.ingress.notifications import notification_of
+from server.coordination.dedup import Claim, MemoryDedup
+from server.coordination.lease import MemoryLease
+from server.ingress.notifications import (
+    CLAIM_SECONDS,
+    DEDUP_PREFIX,
+    NotificationPush,
+    notification_of,
+)
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
 from tests.services import RedisServer
@@ -104,40 +111,69 @@ async def test_other_records_are_not_pushed(
     assert numbers(tab) == [1, 2]
 
 
-async def test_a_record_published_again_with_no_dedup_trace_is_pushed_once(
-    pushing: RunningServer, raw: Any, stream_table: str
-) -> None:
-    """A reader killed between publishing and marking done leaves only a claim that
-    expires; the next reader (here: one whose dedup store knows nothing) publishes the
-    record again. The append is named by the row's sk, so the user hears it once."""
-    from server.coordination.dedup import MemoryDedup
-    from server.coordination.lease import MemoryLease
-    from server.ingress.notifications import NotificationPush
-
-    tab = await pushing.subscribed("alice", since={})
-    sk = put_notification(raw, stream_table, "alice", 1)
-    await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
-    record = {
-        "eventID": "the-record-again",
+def record_of(sk: str, event_id: str) -> dict[str, Any]:
+    """The stream record of alice's notification ``sk`` (number 1), as a reader gets it."""
+    return {
+        "eventID": event_id,
         "eventName": "INSERT",
         "dynamodb": {
             "Keys": {"pk": {"S": "NOTIFICATION#alice"}, "sk": {"S": sk}},
             "NewImage": {"body": {"M": {"type": {"S": "gameEnd"}, "n": {"N": "1"}}}},
         },
     }
-    next_reader = NotificationPush(
-        pushing.node.publish,
-        pushing.node.store,
+
+
+def another_reader(running: RunningServer, table: str, dedup: MemoryDedup) -> NotificationPush:
+    """A second push on the node's bus: the reader that takes over after a handover."""
+    return NotificationPush(
+        running.node.publish,
+        running.node.store,
         MemoryLease(),
-        MemoryDedup(),
-        node_id=pushing.node.node_id,
-        table=stream_table,
+        dedup,
+        node_id=running.node.node_id,
+        table=table,
         region=TEST_REGION,
         endpoint_url=None,
         poll_seconds=1.0,
-        metrics=pushing.node.metrics,
+        metrics=running.node.metrics,
     )
-    assert await next_reader.handle([record]) == 1
+
+
+async def test_a_record_published_again_with_no_dedup_trace_is_pushed_once(
+    pushing: RunningServer, raw: Any, stream_table: str
+) -> None:
+    """A reader killed between publishing and marking done leaves only a claim that
+    expires; the next reader (here: one whose dedup store knows nothing) publishes the
+    record again. The append is named by the row's sk, so the user hears it once."""
+    tab = await pushing.subscribed("alice", since={})
+    sk = put_notification(raw, stream_table, "alice", 1)
+    await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
+    next_reader = another_reader(pushing, stream_table, MemoryDedup())
+    assert await next_reader.handle([record_of(sk, "the-record-again")]) == 1
+    put_notification(raw, stream_table, "alice", 2)
+    await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=10)
+    await tab.barrier()
+    assert numbers(tab) == [1, 2]
+    assert tab.offsets("user:alice") == [1, 2]
+
+
+async def test_a_record_claimed_by_a_killed_reader_is_pushed_at_once_and_once(
+    pushing: RunningServer, raw: Any, stream_table: str
+) -> None:
+    """A reader killed between publishing and marking done leaves its claim for
+    CLAIM_SECONDS. The next reader publishes the record at once rather than hold the
+    shard back that long; the named append makes the user hear it once."""
+    tab = await pushing.subscribed("alice", since={})
+    sk = put_notification(raw, stream_table, "alice", 1)
+    await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
+    dedup = MemoryDedup()
+    key = DEDUP_PREFIX + "the-claimed-record"
+    assert await dedup.claim([key], "the-killed-reader", CLAIM_SECONDS) == [Claim.CLAIMED]
+    next_reader = another_reader(pushing, stream_table, dedup)
+    assert await next_reader.handle([record_of(sk, "the-claimed-record")]) == 1
+    assert pushing.node.metrics.value("ap_notifications_taken_over_total") == 1
+    # Done now: a third reading is not published again.
+    assert await dedup.claim([key], "a-later-reader", CLAIM_SECONDS) == [Claim.DONE]
     put_notification(raw, stream_table, "alice", 2)
     await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=10)
     await tab.barrier()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -90,18 +89,21 @@ async def test_a_visible_tab_beside_an_invisible_one_shows_the_user(
     assert watcher.presence.server_total == 2
 
 
-@pytest.mark.parametrize("server", [{"presence_debounce_ms": 600}], indirect=True)
+@pytest.mark.parametrize("server", [{"presence_debounce_ms": 3000}], indirect=True)
 async def test_connect_and_disconnect_inside_one_window_produce_nothing(
     server: RunningServer,
 ) -> None:
     watcher = await server.subscribed("watcher")
-    await watcher.wait_for(lambda: watcher.presence.visible == {"watcher"}, within=3)
+    await watcher.wait_for(lambda: watcher.presence.visible == {"watcher"}, within=15)
     seq = watcher.presence.seq
+    assert seq is not None
     flapper = await server.subscribed("flapper")
     await flapper.close()
-    await asyncio.sleep(1.5)
-    await watcher.sync_presence()
-    assert watcher.presence.seq == seq
+    # A join after the flap: its delta comes once the flapper has been looked at
+    # (in the same window, or in one before it). A long window, so the flap fits.
+    await server.subscribed("marker")
+    await watcher.wait_for(lambda: "marker" in watcher.presence.visible, within=30)
+    assert watcher.presence.seq == seq + 1
     assert all("flapper" not in d["joins"] + d["leaves"] for d in deltas(watcher))
 
 
@@ -183,86 +185,139 @@ def test_delta_of_counts_and_orders() -> None:
     )
 
 
-async def test_the_debounce_window_opens_when_the_change_happened() -> None:
+class ManualClock:
+    """The presence writer's wall clock and sleeps, in the test's hands.
+
+    The writer reads ``time.time()`` to open and close its windows and hold
+    leaves, and sleeps until a window closes. Here the clock moves only when the
+    test moves it, and each sleep is recorded (and lasts a few ms), so a rule
+    like "a leave waits a whole window" is checked in the writer's own terms,
+    however much CPU the test gets between two steps."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+        self.waits: list[float] = []
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, delay: float) -> None:
+        self.waits.append(delay)
+        await REAL_SLEEP(0.005)
+
+
+REAL_SLEEP = asyncio.sleep
+LEASE_INTERVAL = 0.0625
+"""The writer's lease check interval here: its sleeps are told apart from the windows'."""
+
+
+async def started_writer(
+    debounce: float,
+) -> tuple[ManualClock, MemoryPresenceBackend, PresenceWriter, list[PresenceDelta]]:
+    """A leading writer on a manual clock over a memory backend, its takeover
+    flush done, and the deltas it commits."""
+    clock = ManualClock()
     store = MemoryStore()
     bus = MemoryBus()
-    deltas: list[bytes] = []
-    await bus.start(lambda _topic, data: deltas.append(data))
-    await bus.subscribe([PRESENCE])
-    backend = MemoryPresenceBackend(bus, store, "n1")
-    await backend.start()
-    writer = PresenceWriter(backend, store, debounce=1.0)
-    writer.start()
-    try:
-        await asyncio.wait_for(_until(lambda: writer.leading), 5)
-        await asyncio.sleep(1.2)  # the takeover's own look at everyone is over
-        await backend.report({"alice": True}, time.time())
-        started = time.monotonic()
-        # The change happened 0.7 s ago (it took that long to reach the writer).
-        writer.hint(["alice"], changed_at=time.time() - 0.7)
-        await asyncio.wait_for(_until(lambda: bool(deltas)), 5)
-        assert time.monotonic() - started < 0.6
-        delta = decode_envelope(deltas[0])
-        assert isinstance(delta, PresenceDelta) and delta.joins == ("alice",)
-        # A time from a clock far ahead or behind still waits at most one window.
-        await backend.report({"bob": True}, time.time())
-        started = time.monotonic()
-        writer.hint(["bob"], changed_at=time.time() + 3600)
-        await asyncio.wait_for(_until(lambda: len(deltas) == 2), 5)
-        assert 0.9 < time.monotonic() - started < 1.5
-    finally:
-        await writer.close()
-
-
-async def _until(predicate: Callable[[], bool]) -> None:
-    for _ in range(1000):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in 10 s")
-
-
-async def test_a_leave_waits_a_whole_window_so_a_quick_return_is_no_flap() -> None:
-    """A window that closes between a disconnect and the reconnect (a reload, a
-    drained node's client moving) must not commit the leave."""
-    store = MemoryStore()
-    bus = MemoryBus()
-    deltas: list[PresenceDelta] = []
+    committed: list[PresenceDelta] = []
 
     def on_delta(_topic: str, data: bytes) -> None:
         delta = decode_envelope(data)
         assert isinstance(delta, PresenceDelta)
-        deltas.append(delta)
+        committed.append(delta)
 
     await bus.start(on_delta)
     await bus.subscribe([PRESENCE])
     backend = MemoryPresenceBackend(bus, store, "n1")
     await backend.start()
-    writer = PresenceWriter(backend, store, debounce=0.5)
+    writer = PresenceWriter(
+        backend,
+        store,
+        debounce=debounce,
+        lease_interval=LEASE_INTERVAL,
+        clock=clock.time,
+        sleep=clock.sleep,
+    )
     writer.start()
+    await asyncio.wait_for(_until(lambda: writer.leading), 10)
+    await backend.report({"first": True}, clock.now)
+    writer.hint(["first"])
+    await asyncio.wait_for(_until(lambda: len(committed) == 1), 10)
+    return clock, backend, writer, committed
+
+
+def window_waits(clock: ManualClock, since: int) -> list[float]:
+    return [wait for wait in clock.waits[since:] if wait != LEASE_INTERVAL]
+
+
+async def test_the_debounce_window_opens_when_the_change_happened() -> None:
+    clock, backend, writer, committed = await started_writer(1.0)
     try:
-        await asyncio.wait_for(_until(lambda: writer.leading), 5)
-        await asyncio.sleep(0.7)
-        await backend.report({"alice": True}, time.time())
-        writer.hint(["alice"])
-        await asyncio.wait_for(_until(lambda: len(deltas) == 1), 5)
+        # The change happened 0.7 s ago (it took that long to reach the writer):
+        # its window has 0.3 s left.
+        await backend.report({"alice": True}, clock.now)
+        waits = len(clock.waits)
+        writer.hint(["alice"], changed_at=clock.now - 0.7)
+        await asyncio.wait_for(_until(lambda: len(committed) == 2), 10)
+        assert committed[1].joins == ("alice",)
+        assert window_waits(clock, waits)[0] == pytest.approx(0.3)
 
-        # Offline, in a window that opened 0.45 s earlier and so closes at once.
-        await backend.report({"alice": None}, time.time())
-        writer.hint(["alice"], changed_at=time.time() - 0.45)
-        await asyncio.sleep(0.2)
-        assert len(deltas) == 1, "the leave was committed before a whole window passed"
-        await backend.report({"alice": True}, time.time())  # back, on any node
-        writer.hint(["alice"])
-        await asyncio.sleep(1.0)
-        assert len(deltas) == 1, [d.leaves for d in deltas]
+        # A time from a clock far ahead or behind still waits one window at most.
+        for user, changed_at in (("bob", clock.now + 3600), ("carol", clock.now - 3600)):
+            await backend.report({user: True}, clock.now)
+            waits, count = len(clock.waits), len(committed)
+            writer.hint([user], changed_at=changed_at)
+            await asyncio.wait_for(_until(lambda: len(committed) > count), 10)  # noqa: B023
+            assert committed[-1].joins == (user,)
+            assert 0 <= window_waits(clock, waits)[0] <= 1.0
+    finally:
+        await writer.close()
 
-        # Gone for good: the leave comes one window after the news, not earlier.
-        await backend.report({"alice": None}, time.time())
-        started = time.monotonic()
-        writer.hint(["alice"], changed_at=time.time() - 0.45)
-        await asyncio.wait_for(_until(lambda: len(deltas) == 2), 5)
-        assert 0.4 < time.monotonic() - started < 1.5
-        assert deltas[1].leaves == ("alice",)
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while not predicate():
+        await REAL_SLEEP(0.01)
+
+
+async def test_a_leave_waits_a_whole_window_so_a_quick_return_is_no_flap() -> None:
+    """A window that closes between a disconnect and the reconnect (a reload, a
+    drained node's client moving) must not commit the leave."""
+    clock, backend, writer, committed = await started_writer(0.5)
+
+    async def marked(user: str) -> None:
+        """A join, committed after everything hinted before it was looked at."""
+        count = len(committed)
+        await backend.report({user: True}, clock.now)
+        writer.hint([user])
+        await asyncio.wait_for(_until(lambda: any(user in d.joins for d in committed)), 10)
+        assert len(committed) > count
+
+    def left(user: str) -> bool:
+        return any(user in d.leaves for d in committed)
+
+    try:
+        await marked("alice")
+        # Offline, in a window that opened 0.45 s earlier and so closes at once;
+        # the clock stands still, so a whole window has not passed since the news.
+        await backend.report({"alice": None}, clock.now)
+        writer.hint(["alice"], changed_at=clock.now - 0.45)
+        await marked("carol")
+        assert not left("alice"), "the leave was committed before a whole window passed"
+        await backend.report({"alice": True}, clock.now)  # back, on any node
+        writer.hint(["alice"])
+        clock.now += 10
+        await marked("dave")
+        assert not left("alice"), [d.leaves for d in committed]
+
+        # Gone for good: held until a whole window has passed since the news...
+        await backend.report({"alice": None}, clock.now)
+        writer.hint(["alice"], changed_at=clock.now - 0.45)
+        await marked("erin")
+        clock.now += 0.4
+        await marked("frank")
+        assert not left("alice")
+        # ...then committed.
+        clock.now += 0.1
+        await asyncio.wait_for(_until(lambda: left("alice")), 10)
     finally:
         await writer.close()

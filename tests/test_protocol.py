@@ -317,6 +317,21 @@ def test_wire_frames_are_what_a_websocket_reader_parses(size: int) -> None:
         assert (parsed.opcode, parsed.data, parsed.fin) == (opcode, payload, True)
 
 
+@pytest.mark.parametrize("size", [0, 125, 126, 65535, 65536, 70_000])
+def test_frame_bytes_are_what_websockets_serializes(size: int) -> None:
+    """``frame_bytes`` writes the header itself: it must stay byte for byte what
+    the library writes for the same unmasked final frame (at every length form)."""
+    from websockets.frames import Frame as WireFrame
+    from websockets.frames import Opcode
+
+    from protocol.codec import frame_bytes
+
+    payload = b"x" * size
+    for opcode in (Opcode.TEXT, Opcode.BINARY):
+        ours = frame_bytes(0x80 | opcode.value, payload)
+        assert ours == WireFrame(opcode, payload).serialize(mask=False)
+
+
 # --- envelopes --------------------------------------------------------------
 
 

@@ -530,8 +530,9 @@ class BotWorld:
 
         return ClientCredentials(self.jwks.token_url, BOT, SECRET, BOT_SCOPE)
 
-    async def your_turn(self, game_id: str) -> None:
-        body = {"verb": "yourTurn", "users": [BOT], "payload": {"meta": "chess", "id": game_id}}
+    async def your_turn(self, game_id: str, **ply: int) -> None:
+        payload = {"meta": "chess", "id": game_id, **ply}
+        body = {"verb": "yourTurn", "users": [BOT], "payload": payload}
         status, reply = await self.server.publish(body)
         assert status == 202, reply
 
@@ -604,6 +605,42 @@ async def test_turns_come_once_per_ply(jwks_bot: BotWorld) -> None:
         assert got[3] == ("g1", "yourTurn")
         assert credentials.fetched == 1  # one token for every connect
     reader.cancel()
+
+
+async def test_turns_that_name_their_ply_come_exactly_once_per_ply(jwks_bot: BotWorld) -> None:
+    world = jwks_bot
+    # a current game where alice is to move: watched (its stream heard), not pending
+    world.store.put_current_game(BOT, CurrentGame("g3", "chess", (BOT, "alice"), "1"))
+    client = RealtimeClient(world.server.ws_url, get_token=world.credentials(), rand=lambda: 0.0)
+    got: list[tuple[str, int | None]] = []
+
+    def turn(t: Any) -> None:
+        got.append((t.id, t.ply.moves if t.ply else None))
+
+    client.on("turn", turn)
+    rec = Recorder().attach(client)
+    async with client:
+        await rec.until(lambda: got == [("g1", None)], "the pending turn")
+        await world.your_turn("g3", numMoves=7, lastMoveTime=1_700_000_000_000)
+        await rec.until(lambda: got[-1] == ("g3", 7), "g3's turn")
+        # a comment in g3 (a frame on its stream), then the backend re-sends the turn
+        # (ping_bot): the same ply, so no turn, although the game changed meanwhile
+        status, _ = await world.server.publish(
+            {"verb": "chat", "payload": {"meta": "chess", "id": "g3"}}
+        )
+        assert status == 202
+        await rec.until(lambda: "game:chess#g3" in client.positions, "the comment")
+        await world.your_turn("g3", numMoves=7)
+        # an older ply that arrives late: no turn either
+        await world.your_turn("g3", numMoves=5)
+        # a marker: the next turn of another game, after which the repeats were read
+        await world.your_turn("g4", numMoves=2)
+        await rec.until(lambda: got[-1] == ("g4", 2), "the marker")
+        assert got == [("g1", None), ("g3", 7), ("g4", 2)]
+        await world.your_turn("g3", numMoves=9)  # the next ply, nothing else in between
+        await rec.until(lambda: got[-1] == ("g3", 9), "g3's next ply")
+        assert [e.verb for e in rec.events].count("yourTurn") == 5  # every event still arrives
+    assert got == [("g1", None), ("g3", 7), ("g4", 2), ("g3", 9)]
 
 
 async def test_a_slow_turn_never_holds_up_another_game(jwks_bot: BotWorld) -> None:

@@ -38,7 +38,15 @@ from apclient.streams import (
     judge,
 )
 from apclient.turns import TurnTracker
-from protocol.messages import Position, PresenceDelta, PresenceSnapshot, Recovered
+from protocol.messages import (
+    Ply,
+    Position,
+    PresenceDelta,
+    PresenceSnapshot,
+    Recovered,
+    ply_fields,
+    ply_of,
+)
 
 G = "game:chess#g1"
 
@@ -84,7 +92,7 @@ def test_a_socket_that_never_opened_backs_off_as_overload() -> None:
 @given(st.integers(0, 60), st.floats(0, 1))
 def test_backoff_is_exponential_with_full_jitter_within_bounds(attempt: int, r: float) -> None:
     delay = backoff_delay(attempt, rand=lambda: r)
-    ceiling = min(BACKOFF_MAX, BACKOFF_MIN * 2 ** (attempt + 1))
+    ceiling = min(BACKOFF_MAX, 2.0 * 2**attempt)
     assert BACKOFF_MIN <= delay <= ceiling <= BACKOFF_MAX
     overload = backoff_delay(attempt, OVERLOAD_MIN, rand=lambda: r)
     assert OVERLOAD_MIN <= overload <= BACKOFF_MAX
@@ -92,8 +100,10 @@ def test_backoff_is_exponential_with_full_jitter_within_bounds(attempt: int, r: 
 
 def test_backoff_spreads_over_its_whole_window() -> None:
     assert backoff_delay(0, rand=lambda: 0.0) == 0.5
-    assert backoff_delay(0, rand=lambda: 1.0) == 1.0
-    assert backoff_delay(3, rand=lambda: 1.0) == 8.0
+    assert backoff_delay(0, rand=lambda: 1.0) == 2.0  # a dead node's clients spread out
+    assert backoff_delay(1, rand=lambda: 1.0) == 4.0
+    assert backoff_delay(3, rand=lambda: 1.0) == 16.0
+    assert backoff_delay(0, OVERLOAD_MIN, rand=lambda: 1.0) == 10.0
     assert backoff_delay(30, rand=lambda: 1.0) == BACKOFF_MAX
 
 
@@ -288,15 +298,65 @@ def test_presence_is_kept_as_the_browser_keeps_it() -> None:
     assert apply_presence(None, PresenceDelta(1, (), (), 0)) == (None, True)
 
 
-def test_a_game_is_a_turn_once_per_ply() -> None:
+def _refs(candidates: list[tuple[tuple[str, str], Ply | None]]) -> list[tuple[str, str]]:
+    return [ref for ref, _ in candidates]
+
+
+G1, G2 = ("chess", "g1"), ("chess", "g2")
+
+
+def test_a_game_without_plies_is_a_turn_once_per_change() -> None:
     turns = TurnTracker()
-    assert turns.offer([("chess", "g1"), ("chess", "g2")]) == [("chess", "g1"), ("chess", "g2")]
+    assert _refs(turns.offer([(G1, None), (G2, None)])) == [G1, G2]
     # the same plies again: a yourTurn that raced the pendingTurns, a reconnect's list
-    assert turns.offer([("chess", "g1")]) == []
-    assert turns.offer([("chess", "g1"), ("chess", "g2")]) == []
+    assert turns.offer([(G1, None)]) == []
+    assert turns.offer([(G1, None), (G2, None)]) == []
     turns.changed("game:chess#g1")  # a move (the bot's own shows as a skip)
     turns.changed("user:bot")  # other streams change nothing
-    assert turns.offer([("chess", "g1"), ("chess", "g2")]) == [("chess", "g1")]
+    assert _refs(turns.offer([(G1, None), (G2, None)])) == [G1]
+
+
+def test_a_game_with_plies_is_a_turn_exactly_once_per_ply() -> None:
+    turns = TurnTracker()
+    assert turns.offer([(G1, Ply(4, 1000.0))]) == [(G1, Ply(4, 1000.0))]
+    # a comment on the game, then the reconnect's list names the same ply: no turn
+    turns.changed("game:chess#g1")
+    assert turns.offer([(G1, Ply(4, 1000.0))]) == []
+    # a re-sent yourTurn (ping_bot) of that ply, after a resync of the stream: none
+    turns.changed("game:chess#g1")
+    assert turns.offer([(G1, Ply(4))]) == []
+    # a stale list that raced the next turn names an older ply: none
+    assert turns.offer([(G1, Ply(6, 3000.0))]) == [(G1, Ply(6, 3000.0))]
+    assert turns.offer([(G1, Ply(4, 1000.0))]) == []
+    # with nothing else in the game, the next ply is a turn: no frame is needed
+    assert turns.offer([(G1, Ply(8))]) == [(G1, Ply(8))]
+    # only lastMoveTime: compared by time once numMoves is not on both
+    assert turns.offer([(G2, Ply(time=5.0))]) == [(G2, Ply(time=5.0))]
+    assert turns.offer([(G2, Ply(time=5.0))]) == []
+    assert turns.offer([(G2, Ply(time=7.0))]) == [(G2, Ply(time=7.0))]
+
+
+def test_plies_and_no_plies_mixed() -> None:
+    turns = TurnTracker()
+    assert _refs(turns.offer([(G1, None)])) == [G1]  # a yourTurn {meta, id}
+    # the reconnect's list names the ply: nothing happened since, so it is that turn
+    assert turns.offer([(G1, Ply(4))]) == []
+    turns.changed("game:chess#g1")  # a comment: the known ply still decides
+    assert turns.offer([(G1, Ply(4))]) == []
+    assert turns.offer([(G1, Ply(5))]) == [(G1, Ply(5))]
+    # a turn without a ply after something happened: new, and its ply unknown
+    turns.changed("game:chess#g1")
+    assert turns.offer([(G1, None)]) == [(G1, None)]
+    assert turns.offer([(G1, None)]) == []
+
+
+def test_a_ply_is_read_from_a_turns_fields() -> None:
+    assert ply_of({"meta": "chess", "id": "g1"}) is None
+    assert ply_of({"numMoves": 12, "lastMoveTime": 1700000000000}) == Ply(12, 1700000000000)
+    assert ply_of({"numMoves": True, "lastMoveTime": 1.5}) == Ply(None, 1.5)
+    assert ply_of({"numMoves": -1, "lastMoveTime": "x"}) is None
+    assert ply_of(["not", "a", "dict"]) is None
+    assert ply_fields(Ply(3)) == {"numMoves": 3}
 
 
 def test_positions_survive_in_a_file(tmp_path: Path) -> None:

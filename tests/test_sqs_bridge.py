@@ -10,57 +10,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import boto3
 import pytest
 
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
+from tests.queues import depth, eventually, new_queue, send, sqs_client
 from tests.services import DynamoFaultProxy, RedisServer
 
 
-def sqs_client(endpoint: str) -> Any:
-    return boto3.client("sqs", endpoint_url=endpoint, region_name=TEST_REGION)
-
-
-def new_queue(endpoint: str) -> str:
+def new_live_queue(endpoint: str) -> str:
     """A queue shaped like the live one: standard, 900 s visibility, 1 day retention."""
-    url: str = sqs_client(endpoint).create_queue(
-        QueueName=f"abstractplay-ws-messages-test-{uuid.uuid4().hex[:10]}",
-        Attributes={"VisibilityTimeout": "900", "MessageRetentionPeriod": "86400"},
-    )["QueueUrl"]
-    return url
-
-
-def send(endpoint: str, queue_url: str, body: Any) -> str:
-    """What ``wsBroadcast`` does: one SendMessage with the JSON body."""
-    text = body if isinstance(body, str) else json.dumps(body)
-    message_id: str = sqs_client(endpoint).send_message(QueueUrl=queue_url, MessageBody=text)[
-        "MessageId"
-    ]
-    return message_id
-
-
-def queue_depth(endpoint: str, queue_url: str) -> int:
-    attributes = sqs_client(endpoint).get_queue_attributes(
-        QueueUrl=queue_url,
-        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
-    )["Attributes"]
-    return int(attributes["ApproximateNumberOfMessages"]) + int(
-        attributes["ApproximateNumberOfMessagesNotVisible"]
-    )
-
-
-async def eventually(check: Any, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not await asyncio.to_thread(check):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within:g}s waiting for {what}")
-        await asyncio.sleep(0.1)
+    return new_queue(endpoint, "abstractplay-ws-messages-test", visibility=900)
 
 
 def game_events(client: Client) -> list[dict[str, Any]]:
@@ -69,7 +33,7 @@ def game_events(client: Client) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def queue(dynamodb_endpoint: str) -> str:
-    return new_queue(dynamodb_endpoint)
+    return new_live_queue(dynamodb_endpoint)
 
 
 @pytest.fixture
@@ -110,7 +74,7 @@ async def test_todays_exact_body_reaches_the_watchers_and_exclude_holds(
     pie = {"verb": "game", "payload": {"meta": "chess", "id": "g1"}, "exclude": [""]}
     await asyncio.to_thread(send, dynamodb_endpoint, queue, pie)
     await mover.next_message(lambda m: m.get("verb") == "game", within=10)
-    await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
+    await eventually(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
     for client in (mover, opponent, elsewhere, legacy):
         await client.barrier()
     assert len(game_events(opponent)) == 2
@@ -135,8 +99,10 @@ async def test_a_poison_message_is_deleted_and_counted_and_the_rest_flows(
         send, dynamodb_endpoint, queue, {"verb": "game", "payload": {"meta": "chess", "id": "g1"}}
     )
     await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
-    await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
-    assert metrics.value("ap_sqs_poison_messages_total") - before == 3
+    await eventually(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
+    # Each poison message at least once: one whose visibility ran out before its
+    # delete (a loaded machine) comes again and is counted again, then deleted.
+    assert metrics.value("ap_sqs_poison_messages_total") - before >= 3
     assert len(game_events(watcher)) == 1
 
 
@@ -162,7 +128,7 @@ async def test_a_message_delivered_again_reaches_each_client_once(
             body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 1}}
             await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
             await eventually(
-                lambda: queue_depth(dynamodb_endpoint, queue) == 0, 15, "the redelivery deleted"
+                lambda: depth(dynamodb_endpoint, queue) == 0, 15, "the redelivery deleted"
             )
             assert running.node.metrics.value("ap_sqs_duplicates_total") - duplicates == 1
             await watcher.barrier()
@@ -201,7 +167,7 @@ async def test_sqs_down_then_back_loses_nothing(dynamodb_endpoint: str, queue: s
             assert running.node.ready  # clients stay connected meanwhile
             proxy.recover()
             await eventually(lambda: len(game_events(watcher)) >= 20, 20, "all 20 events")
-            await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 10, "empty")
+            await eventually(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "empty")
             await watcher.barrier()
             assert sorted(e["n"] for e in game_events(watcher)) == list(range(20))
     finally:
@@ -267,6 +233,7 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
     again: the append remembers the MessageId, so clients get each event once."""
     from protocol.parse import parse_broadcast
     from server.coordination.dedup import Claim, RedisDedup
+    from server.ingress.queue_core import QueuePolling
     from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
     from server.redis.client import make_client
 
@@ -307,19 +274,21 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
             running.node.publish,
             running.node.bus,
             RedisDedup(make_client(redis_url, retries=1)),
-            queue,
-            node_id=running.node.node_id,
-            region=TEST_REGION,
-            endpoint_url=dynamodb_endpoint,
-            pollers=1,
-            wait_seconds=1,
-            visibility_seconds=2,
+            QueuePolling(
+                queue,
+                node_id=running.node.node_id,
+                region=TEST_REGION,
+                endpoint_url=dynamodb_endpoint,
+                pollers=1,
+                wait_seconds=1,
+                visibility_seconds=2,
+            ),
             metrics=running.node.metrics,
         )
         published = running.node.metrics.value("ap_sqs_messages_published_total")
         await bridge.start()
         try:
-            await eventually(lambda: queue_depth(dynamodb_endpoint, queue) == 0, 15, "empty")
+            await eventually(lambda: depth(dynamodb_endpoint, queue) == 0, 15, "empty")
         finally:
             await bridge.stop()
         # The second consumer did publish both again...

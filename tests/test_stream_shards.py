@@ -9,6 +9,7 @@ stream's shards over every few hours.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -95,6 +96,10 @@ def child_record(n: int) -> dict[str, Any]:
     }
 
 
+def _at(checkpoints: dict[str, Any], shard: str, sequence_number: str) -> bool:
+    return shard in checkpoints and checkpoints[shard].sequence_number == sequence_number
+
+
 async def test_a_closed_shard_is_read_to_its_end_then_its_child(
     dynamodb_endpoint: str, raw: Any, streamed: tuple[str, DynamoStore]
 ) -> None:
@@ -119,11 +124,16 @@ async def test_a_closed_shard_is_read_to_its_end_then_its_child(
         proxy.child_records = [child_record(2), child_record(3)]
         proxy.closed = True
         await until(lambda: len(recorder.numbers()) >= 3, 30, "the child's records")
+        # The checkpoint is written after the records are handled: wait for it too.
+        arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
+        deadline = asyncio.get_running_loop().time() + 30
+        while not _at(await store.stream_checkpoints(arn), CHILD, "103"):
+            assert asyncio.get_running_loop().time() < deadline, "no checkpoint for the child"
+            await asyncio.sleep(0.05)
     finally:
         await reader.stop()
         await proxy.stop()
     assert recorder.numbers() == [1, 2, 3]  # the parent's, then the child's, once each
-    arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
     checkpoints = await store.stream_checkpoints(arn)
     assert proxy.parent is not None
     assert checkpoints[proxy.parent].done

@@ -7,6 +7,9 @@ from typing import Any
 
 import pytest
 
+from protocol.errors import CloseCode
+from protocol.messages import Position
+from server.routing import recovery as recovery_module
 from tests.client import Client
 from tests.conftest import RunningServer
 
@@ -256,6 +259,74 @@ async def test_replay_has_skips_where_the_client_was_excluded(server: RunningSer
     assert (await client.wait_recovered(CHESS))["recovered"] is True
     assert [m["verb"] for m in client.on_stream(CHESS)] == ["game", "skip", "game"]
     assert client.offsets(CHESS) == [1, 2, 3]
+
+
+async def test_a_replay_shared_by_clients_from_one_position_keeps_each_ones_skips(
+    server: RunningServer,
+) -> None:
+    # The first client's replay is kept whole for the next ones from the same
+    # position: the excluded user must still get a skip, in either format, and
+    # every frame of a shared replay counts as sent.
+    await publish_moves(server, 1, 1)
+    await publish_moves(server, 2, 2, exclude=["mover"])
+    epoch = await publish_moves(server, 3, 3)
+    since = {CHESS: {"epoch": epoch, "offset": 0}}
+    sent_before = server.node.metrics.value("ap_frames_sent_total")
+    clients: dict[tuple[str, bool], Client] = {}
+    for user, binary in [("a", False), ("mover", False), ("b", True), ("mover", True)]:
+        client = clients[(user, binary)] = await server.client(msgpack_protocol=binary)
+        await client.subscribe(user, games=[("chess", "g1")], since=since, wants_presence=False)
+        assert (await client.wait_recovered(CHESS)) == {
+            "stream": CHESS,
+            "recovered": True,
+            "epoch": epoch,
+            "offset": 3,
+        }
+        assert client.offsets(CHESS) == [1, 2, 3]
+    verbs = {key: [m["verb"] for m in c.on_stream(CHESS)] for key, c in clients.items()}
+    assert verbs == {
+        ("a", False): ["game", "game", "game"],
+        ("mover", False): ["game", "skip", "game"],
+        ("b", True): ["game", "game", "game"],
+        ("mover", True): ["game", "skip", "game"],
+    }
+    for client in clients.values():
+        await client.barrier()
+    sent = server.node.metrics.value("ap_frames_sent_total") - sent_before
+    assert sent == sum(c.frames_received for c in clients.values())
+
+
+async def test_the_replays_kept_are_bounded_in_frames(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(recovery_module, "REPLAY_RUN_FRAMES", 5)
+    epoch = await publish_moves(server, 1, 3)
+    for after in (0, 1, 2):  # replays of 3, 2 and 1 events, each then recovered
+        client = await server.subscribed(
+            "alice", games=[("chess", "g1")], since={CHESS: {"epoch": epoch, "offset": after}}
+        )
+        assert (await client.wait_recovered(CHESS))["recovered"] is True
+        assert client.offsets(CHESS) == list(range(after + 1, 4))
+        await client.close()
+    runs = server.node.recovery._replay_runs
+    assert [run.frames.count for run in runs.values()] == [3, 2]  # the first one went
+
+
+async def test_a_session_closing_before_its_recovery_is_answered_gets_no_answer_built(
+    server: RunningServer,
+) -> None:
+    # A client that gave up (a reconnect storm's timeouts) costs no reads nor replay.
+    epoch = await publish_moves(server, 1, 3)
+    client = await server.subscribed("alice", games=[("chess", "g1")], since={})
+    (session,) = [s for s in server.node.sessions if s.user_id == "alice"]
+    answered = server.node.metrics.value("ap_stream_recoveries_total")
+    reads = server.node.metrics.value("ap_stream_history_reads_total")
+    session.close(CloseCode.GOING_AWAY, "gone")
+    await server.node.recovery.recover(session, {CHESS: Position(epoch, 0)})
+    assert session.recovering == {}
+    assert server.node.metrics.value("ap_stream_recoveries_total") == answered
+    assert server.node.metrics.value("ap_stream_history_reads_total") == reads
+    assert (await client.closed())[0] == CloseCode.GOING_AWAY
 
 
 # --- user events ----------------------------------------------------------------

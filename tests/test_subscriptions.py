@@ -11,6 +11,7 @@ import pytest
 from server.bus import MemoryBus
 from server.bus.redis_bus import RedisBus
 from server.routing.subscribe_batching import SubscribeBatcher
+from tests.cluster.harness import eventually
 from tests.contract.test_bus_contract import Receiver
 from tests.services import redis_url_for_tests
 
@@ -47,7 +48,7 @@ async def test_a_caller_returns_only_after_a_call_that_named_its_topics() -> Non
     batcher = SubscribeBatcher(bus)
     bus.hold.clear()
     first = asyncio.create_task(batcher.subscribe(["user:1"]))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: len(bus.calls) == 1, 30, "the first call out")
     second = asyncio.create_task(batcher.subscribe(["user:2"]))
     third = asyncio.create_task(batcher.subscribe(["user:3"]))
     await asyncio.sleep(0.01)

@@ -71,10 +71,11 @@ async def test_the_authenticator_verifies_a_token_once() -> None:
 async def test_an_expired_token_is_verified_again_and_refused() -> None:
     auth = Authenticator(cognito=None, dev=DevVerifier(DEV_SECRET), cache_size=10)
     now = int(time.time())
-    token = jwt.encode({"sub": "u", "iat": now, "exp": now + 1}, DEV_SECRET, "HS256")
+    # An hour of life, however slowly this runs; then the cache's clock moves past it.
+    token = jwt.encode({"sub": "u", "iat": now, "exp": now + 3600}, DEV_SECRET, "HS256")
     await auth.verify(token)
     assert len(auth.cache) == 1
-    auth.cache._clock = lambda: now + 2.0
+    auth.cache._clock = lambda: now + 3601.0
     # past exp the cache no longer answers; verification (with its clock-skew
     # leeway) decides, and a token far past exp is refused
     assert auth.cache.get(token) is None

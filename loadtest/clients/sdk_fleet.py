@@ -32,6 +32,7 @@ from protocol.messages import game_key
 from protocol.streams import game_stream, user_stream
 
 STATUS_SECONDS = 0.5
+LAG_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,13 @@ class Watcher:
     plan: ClientPlan
     seen: Counter[tuple[str, str, int]] = field(default_factory=Counter)
     resyncs: Counter[str] = field(default_factory=Counter)
-    outages: list[tuple[int, float]] = field(default_factory=list)  # (first close code, s)
+    outages: list[Outage] = field(default_factory=list)
     closed_at: float | None = None
     closed_code = 0
+    failures: int = 0  # attempts of this outage that failed after its first close
+    waited: float = 0.0  # the SDK's own planned waits in this outage
     close_codes: Counter[int] = field(default_factory=Counter)
+    failed_attempts: Counter[str] = field(default_factory=Counter)  # by reason
     connects: int = 0
     connected: bool = False
 
@@ -83,13 +87,29 @@ class Watcher:
         if self.closed_at is None:
             self.closed_at = time.monotonic()  # the first close of this outage
             self.closed_code = info.code
+            self.failures, self.waited = 0, 0.0
+        else:
+            self.failures += 1
+            self.failed_attempts[_reason(info.reason)] += 1
+        self.waited += info.retry_in or 0.0
 
     def on_connected(self) -> None:
         self.connects += 1
         self.connected = True
         if self.closed_at is not None:
-            self.outages.append((self.closed_code, time.monotonic() - self.closed_at))
+            took = time.monotonic() - self.closed_at
+            self.outages.append((self.closed_code, took, self.failures, self.waited))
             self.closed_at = None
+
+
+Outage = tuple[int, float, int, float]
+"""(first close code, seconds to the next acknowledged subscribe, failed attempts
+meanwhile, seconds of them the SDK itself planned to wait)."""
+
+
+def _reason(reason: str) -> str:
+    """A failed attempt's reason without its details (addresses, errno texts)."""
+    return reason.split(":", 1)[0] if reason.startswith("cannot connect") else reason
 
 
 def fleet_main(
@@ -98,6 +118,12 @@ def fleet_main(
     reports: multiprocessing.connection.Connection,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
+    # A session of its own, as the nodes have (servers.py): with autogroup scheduling
+    # (Linux's default on desktops and here) the CPU is shared per session, so
+    # fleets left in the parent's session share one slice between all of them,
+    # and their clients' recovery times measure that slice, not the SDK.
+    with contextlib.suppress(OSError):
+        os.setsid()
     logging.basicConfig(level=logging.ERROR)  # the SDK's warnings would flood the console
     try:
         import uvloop
@@ -164,18 +190,28 @@ async def _fleet(
             )
             await asyncio.sleep(STATUS_SECONDS)
 
+    lags: list[float] = []
+
+    async def lag() -> None:
+        """How late this process's loop runs a timer: a starved generator shows here."""
+        while True:
+            due = loop.time() + LAG_SECONDS
+            await asyncio.sleep(LAG_SECONDS)
+            lags.append(loop.time() - due)
+
     begun = loop.time()
     starter = asyncio.create_task(start_all())
     reporter = asyncio.create_task(status())
+    lagger = asyncio.create_task(lag())
     try:
         while True:
             message = await inbox.get()
             if message["op"] == "finish":
-                reports.send(_result(spec.index, watchers, message["accepted"]))
+                reports.send(_result(spec.index, watchers, message["accepted"], lags))
             elif message["op"] == "stop":
                 break
     finally:
-        for task in (starter, reporter):
+        for task in (starter, reporter, lagger):
             task.cancel()
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         with contextlib.suppress(OSError):
@@ -183,12 +219,16 @@ async def _fleet(
 
 
 def _result(
-    index: int, watchers: list[Watcher], accepted: dict[str, list[tuple[str, int]]]
+    index: int,
+    watchers: list[Watcher],
+    accepted: dict[str, list[tuple[str, int]]],
+    lags: list[float],
 ) -> dict[str, Any]:
     missed = duplicated = unexpected = expected_total = 0
     resyncs: Counter[str] = Counter()
     codes: Counter[int] = Counter()
-    outages: list[tuple[int, float]] = []
+    outages: list[Outage] = []
+    failed: Counter[str] = Counter()
     for watcher in watchers:
         expected = {
             (stream, epoch, offset)
@@ -203,6 +243,7 @@ def _result(
         resyncs.update(watcher.resyncs)
         codes.update(watcher.close_codes)
         outages += watcher.outages
+        failed.update(watcher.failed_attempts)
     return {
         "op": "result",
         "index": index,
@@ -214,6 +255,8 @@ def _result(
         "resyncs": dict(resyncs),
         "close_codes": {str(code): count for code, count in codes.items()},
         "outages_s": outages,
+        "failed_attempts": dict(failed),
+        "loop_lag_s": sorted(lags),
         "open_outages": sum(w.closed_at is not None for w in watchers),
         "connects": sum(w.connects for w in watchers),
     }

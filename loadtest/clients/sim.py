@@ -75,7 +75,14 @@ _STREAM_VERBS = (b"game", b"chat", b"skip")
 
 
 class HandshakeError(Exception):
-    """The server did not upgrade the connection to a WebSocket."""
+    """The server did not upgrade the connection to a WebSocket.
+
+    ``status``: the HTTP status it answered instead (503: shed by admission),
+    0 when the connection ended before any status line."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +110,14 @@ class StreamBook:
     is how many ``recovered`` answers the current connection waits for.
     """
 
-    __slots__ = ("expect", "got", "positions")
+    __slots__ = ("expect", "got", "positions", "recovered_ns")
 
     def __init__(self) -> None:
         self.positions: dict[str, list[Any]] = {}
         self.expect = 0
         self.got = 0
+        self.recovered_ns = 0
+        """When a connection last had every stream answered (0: not since the reset)."""
 
     def since(self) -> dict[str, dict[str, Any]]:
         # -1 (told to refetch, top unknown) is "nothing of this epoch yet": offset 0.
@@ -131,8 +140,15 @@ class Tally:
         "connected",
         "subscribed",
         "connect_failures",
+        "connect_refused",
+        "connect_reset",
+        "connect_timeouts_tcp",
+        "connect_timeouts_handshake",
+        "connect_shed",
+        "connect_other",
         "dropped",
         "reconnects",
+        "gave_up",
         "frames",
         "game_events",
         "snapshots",
@@ -155,6 +171,7 @@ class Tally:
         "not_recovered",
         "recovered_short",
         "recovery_done",
+        "clients_recovered",
         "unpositioned",
     )
 
@@ -162,8 +179,23 @@ class Tally:
         self.connected = 0
         self.subscribed = 0
         self.connect_failures = 0
+        """Connect attempts that did not end in an open WebSocket; by cause:"""
+        self.connect_refused = 0
+        """the kernel refused the TCP connect (no listener, or a full accept queue)"""
+        self.connect_reset = 0
+        """reset or closed before the handshake's answer (a dropped SYN queue entry too)"""
+        self.connect_timeouts_tcp = 0
+        """no TCP connection within --connect-timeout (SYNs or the final ACK dropped)"""
+        self.connect_timeouts_handshake = 0
+        """connected, but no upgrade answer within --connect-timeout (the server busy)"""
+        self.connect_shed = 0
+        """HTTP 503 from the server's admission (node cap or accept rate)"""
+        self.connect_other = 0
+        """any other handshake failure"""
         self.dropped = 0
         self.reconnects = 0
+        self.gave_up = 0
+        """Clients that stopped trying after MAX_RECONNECTS failed attempts in a row."""
         self.frames = 0
         self.game_events = 0
         self.snapshots = 0
@@ -192,6 +224,8 @@ class Tally:
         """``recovered: true`` while the client's position was below the top."""
         self.recovery_done = 0
         """Connections that got an answer for every stream named in ``since``."""
+        self.clients_recovered = 0
+        """Clients (not connections) that did, once each since their books' reset."""
         self.unpositioned = 0
         """Stream frames without a position (a server that does not speak streams)."""
         self.recovered_ns: list[int] = []
@@ -266,6 +300,7 @@ class SimClient(asyncio.Protocol):
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.is_open = False
         self.closing = False  # we started the close: not a drop
+        self.ended = False  # torn down: counted closed, timers cancelled, deaf
         self.close_code: int | None = None
         self.started_ns = 0
         self.subscribed_ns = 0
@@ -295,6 +330,14 @@ class SimClient(asyncio.Protocol):
         self.transport.write(request.encode())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._gone(exc)
+
+    def _gone(self, exc: Exception | None) -> None:
+        """The connection's end, counted once: from ``connection_lost``, or from
+        :meth:`abort` when the transport may never call it."""
+        if self.ended:
+            return
+        self.ended = True
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
@@ -313,6 +356,8 @@ class SimClient(asyncio.Protocol):
                 self.on_lost(self, self.close_code)
 
     def data_received(self, data: bytes) -> None:
+        if self.ended:
+            return
         now = time.time_ns()
         if self._buffer:
             data = self._buffer + data
@@ -390,7 +435,8 @@ class SimClient(asyncio.Protocol):
         lines = head.split(b"\r\n")
         status = lines[0].split(b" ", 2)
         if len(status) < 2 or status[1] != b"101":
-            raise HandshakeError(lines[0].decode("latin-1"))
+            code = int(status[1]) if len(status) >= 2 and status[1].isdigit() else 0
+            raise HandshakeError(lines[0].decode("latin-1"), code)
         accept = b""
         for line in lines[1:]:
             name, _, value = line.partition(b":")
@@ -423,10 +469,18 @@ class SimClient(asyncio.Protocol):
         transport.close()
 
     def abort(self) -> None:
-        """Drop the connection at once (teardown, failed connects)."""
+        """Drop the connection at once (teardown, failed connects), and end the client now.
+
+        Ended here, not in ``connection_lost``: when uvloop's ``create_connection``
+        is cancelled after ``connection_made`` (a connect timeout that fires while
+        the loop was busy), it closes the socket without ever calling
+        ``connection_lost``. A client that had read its 101 meanwhile would stay
+        open in the counts, its timers writing to a closed handle.
+        """
         self.closing = True
         if self.transport is not None:
             self.transport.abort()
+        self._gone(None)
 
     def _frame(self, first: int, payload: bytes, now: int) -> None:
         opcode = first & 0x0F
@@ -672,3 +726,6 @@ class SimClient(asyncio.Protocol):
         if book.got == book.expect:
             tally.recovery_done += 1
             tally.recovered_ns.append(now)
+            if book.recovered_ns == 0:
+                tally.clients_recovered += 1
+            book.recovered_ns = now

@@ -54,6 +54,7 @@ class _Link:
         self.upstream_writer: asyncio.StreamWriter | None = None
         self.tasks: list[asyncio.Task[None]] = []
         self.closed = False
+        self.awaiting_reply = False  # a request went up and no reply came down yet
 
     async def run(self) -> None:
         proxy = self.proxy
@@ -110,6 +111,14 @@ class _Link:
                 queue.popleft()
                 if not upstream and self.closed:
                     return
+                if proxy.requests is not None:
+                    if not upstream:
+                        self.awaiting_reply = False
+                    elif self.awaiting_reply:
+                        proxy.requests[-1] += data  # more of the same round trip
+                    else:
+                        self.awaiting_reply = True
+                        proxy.requests.append(bytearray(data))
                 writer.write(data)
                 await writer.drain()
                 if upstream and proxy._take_cut(data):
@@ -166,10 +175,20 @@ class TcpFaultProxy:
         self._passable.set()
         self._links: set[_Link] = set()
         self._server: asyncio.Server | None = None
+        self.requests: list[bytearray] | None = None
+        """While recording: the bytes of each round trip a client started (a request,
+        or a pipeline, sent on a connection with no reply outstanding)."""
 
     @property
     def url(self) -> str:
         return f"redis://{HOST}:{self.port}"
+
+    def record_round_trips(self) -> list[bytearray]:
+        """Start recording round trips (from now on, on every connection)."""
+        self.requests = []
+        for link in self._links:
+            link.awaiting_reply = False
+        return self.requests
 
     async def start(self) -> None:
         if not self.port:

@@ -46,6 +46,10 @@ def redis_cli(port: int, *args: str, timeout: float = 2.0) -> str:
     return done.stdout.decode(errors="replace")
 
 
+class PortTaken(StartError):
+    """Another process bound the port between our pick and the instance's start."""
+
+
 @dataclass
 class Instance:
     port: int
@@ -96,7 +100,9 @@ class Instance:
         while not redis_ping(self.port):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                raise StartError(f"cluster instance on port {self.port} did not start")
+                tail = (self.directory / "redis.log").read_text(errors="replace")[-600:]
+                error = PortTaken if "Address already in use" in tail else StartError
+                raise error(f"cluster instance on port {self.port} did not start:\n{tail}")
             time.sleep(0.02)
 
     def kill(self) -> None:
@@ -126,7 +132,7 @@ class RedisCluster:
 
     def start(self, timeout: float = 60.0) -> None:
         for instance in self.instances:
-            instance.start()
+            instance.start(timeout)
         addresses = [i.address for i in self.instances]
         replicas = ["--cluster-replicas", "1", "--cluster-yes"]
         created = subprocess.run(
@@ -277,24 +283,36 @@ def _redis_cli_available() -> bool:
     return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
 
 
+PORT_ATTEMPTS = 3
+
+
 def start_redis_cluster(timeout: float = 60.0) -> RedisCluster:
     """Six ``redis-server`` instances joined into a cluster of 3 primaries + 3 replicas."""
     if not _redis_cli_available():
         raise StartError("redis-server and redis-cli are needed for a Redis Cluster")
-    workdir = Path(tempfile.mkdtemp(prefix="ap-rcluster-"))
-    ports: list[int] = []
-    while len(ports) < SIZE:
-        port = free_port()
-        # The cluster bus listens on port + 10000: both must be free.
-        if port + 10000 < 65536 and port not in ports and _free(port + 10000):
-            ports.append(port)
-    cluster = RedisCluster([Instance(p, workdir / str(p)) for p in ports], workdir)
-    try:
-        cluster.start(timeout)
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+    # Free ports are picked, then bound by redis-server: in between another process
+    # (a parallel test, a load test) may take one. Then the cluster is picked anew.
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        workdir = Path(tempfile.mkdtemp(prefix="ap-rcluster-"))
+        ports: list[int] = []
+        while len(ports) < SIZE:
+            port = free_port()
+            # The cluster bus listens on port + 10000: both must be free.
+            if port + 10000 < 65536 and port not in ports and _free(port + 10000):
+                ports.append(port)
+        cluster = RedisCluster([Instance(p, workdir / str(p)) for p in ports], workdir)
+        try:
+            cluster.start(timeout)
+        except PortTaken:
+            cluster.stop()
+            if attempt == PORT_ATTEMPTS:
+                raise
+        except BaseException:
+            cluster.stop()
+            raise
+        else:
+            return cluster
+    raise AssertionError("unreachable")
 
 
 def _free(port: int) -> bool:

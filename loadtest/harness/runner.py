@@ -83,6 +83,8 @@ class Options:
     """sdk: each node's --accept-rate, and the limit its accepts per second are checked against."""
     drain_seconds: float = 10.0
     """sdk: each node's --drain-seconds in the rolling restart."""
+    bot_queue: bool = False
+    """bots: feed the turns through today's bot queue on moto (``scenarios/bots_queue.py``)."""
 
 
 @dataclass(frozen=True)
@@ -514,6 +516,21 @@ def merge_counters(results: Sequence[dict[str, Any]]) -> dict[str, int]:
         for name, value in result["counters"].items():
             total[name] = total.get(name, 0) + int(value)
     return total
+
+
+CONNECT_FAILURE_CAUSES = (
+    "refused",
+    "reset",
+    "timeouts_tcp",
+    "timeouts_handshake",
+    "shed",
+    "other",
+)
+
+
+def failures_by_cause(counters: dict[str, int]) -> dict[str, int]:
+    """Failed connect attempts by cause (``Tally.connect_*``); they sum to ``connect_failures``."""
+    return {cause: counters.get(f"connect_{cause}", 0) for cause in CONNECT_FAILURE_CAUSES}
 
 
 def ws_endpoint(proc: Proc) -> tuple[str, int]:

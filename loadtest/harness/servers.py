@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import importlib.util
 import os
 import shutil
 import signal
@@ -266,21 +267,41 @@ def redis_ping(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
 
 async def start_redis(limit: float = 15.0, port: int | None = None) -> tuple[Proc, str]:
     """An empty ``redis-server`` without persistence; ``port`` restarts one in place."""
+    if port is not None:
+        return await _start_redis_on(port, limit)
+    # A free port is picked, then bound by redis-server: another process may take it
+    # in between, and then another is picked.
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return await _start_redis_on(free_port(), limit)
+        except StartError as exc:
+            if "Address already in use" not in str(exc) or attempt == PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+
+
+async def _start_redis_on(port: int, limit: float) -> tuple[Proc, str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise StartError("redis-server is not on PATH")
-    port = free_port() if port is None else port
     argv = [binary, "--save", "", "--appendonly", "no", "--bind", HOST, "--port", str(port)]
     proc = _spawn("redis", argv, child_env(), log_dir())
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if not proc.running():
             raise StartError(f"redis-server exited:\n{proc.log_tail()}")
-        with contextlib.suppress(OSError):
-            reader, writer = await asyncio.open_connection(HOST, port)
-            writer.write(b"PING\r\n")
-            reply = await reader.readline()
-            writer.close()
+        # Bounded: whatever holds the port may accept and never answer.
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(1.0):
+                reader, writer = await asyncio.open_connection(HOST, port)
+                try:
+                    writer.write(b"PING\r\n")
+                    reply = await reader.readline()
+                finally:
+                    writer.close()
             if reply.startswith(b"+PONG"):
                 return proc, f"redis://{HOST}:{port}/0"
         await asyncio.sleep(0.1)
@@ -308,12 +329,13 @@ async def redis_used_memory(url: str, limit: float = 5.0) -> int:
 
 
 async def start_moto(limit: float = 60.0) -> tuple[Proc, str]:
-    binary = shutil.which("moto_server")
-    if binary is None:
-        raise StartError("moto_server is not on PATH (pip install 'moto[server]')")
+    if importlib.util.find_spec("moto") is None:
+        raise StartError("moto is not installed (pip install 'moto[server]')")
     port = free_port()
     env = child_env(FAKE_AWS)
-    proc = _spawn("moto", [binary, "-H", HOST, "-p", str(port)], env, log_dir())
+    # moto behind the launcher that makes its DynamoDB requests atomic, as DynamoDB's are.
+    argv = [sys.executable, "-m", "loadtest.harness.moto_server", "-H", HOST, "-p", str(port)]
+    proc = _spawn("moto", argv, env, log_dir())
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if not proc.running():

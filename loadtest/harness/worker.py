@@ -57,9 +57,15 @@ def mint_token(secret: str, user_id: str) -> str:
 
 
 class Slot:
-    """One simulated user's place: its spec, endpoint and current connection."""
+    """One simulated user's place: its spec, endpoint and current connection.
 
-    __slots__ = ("attempts", "book", "client", "endpoint", "spec", "token")
+    A slot has at most one connect loop (``loop_id`` names the newest; an older
+    one stops at its next step) and at most one live connection: each attempt
+    ends the slot's previous client first. Two connections sharing one
+    ``StreamBook`` would count each other's events as duplicates.
+    """
+
+    __slots__ = ("attempts", "book", "client", "endpoint", "loop_id", "looping", "spec", "token")
 
     def __init__(self, spec: ClientSpec, token: str, endpoint: Endpoint) -> None:
         self.spec = spec
@@ -67,6 +73,9 @@ class Slot:
         self.endpoint = endpoint
         self.client: SimClient | None = None
         self.attempts = 0
+        """Failed attempts since the last open (the browser's backoff restarts on open)."""
+        self.loop_id = 0
+        self.looping = False
         # the stream positions outlive each connection, as a browser's would
         self.book = StreamBook() if spec.streams else None
 
@@ -216,42 +225,93 @@ class Worker:
 
         await asyncio.gather(*(gated(slot) for slot in slots))
 
-    async def _open(self, slot: Slot) -> bool:
-        """One connect attempt; on failure, retry with the browser's backoff."""
-        while not self.stopping:
-            if await self._attempt(slot):
-                return True
-            slot.attempts += 1
-            if not self.reconnect or slot.attempts > MAX_RECONNECTS:
-                return False
-            await asyncio.sleep(self._backoff(slot.attempts))
-        return False
+    async def _open(self, slot: Slot, delay: float = 0.0) -> bool:
+        """The slot's connect loop: attempts with the browser's backoff until one opens.
+
+        Starting it supersedes any older loop of the slot, which stops at its
+        next step without another attempt.
+        """
+        slot.loop_id += 1
+        mine = slot.loop_id
+        slot.looping = True
+        try:
+            if delay > 0:
+                await asyncio.sleep(delay)
+            while not self.stopping and slot.loop_id == mine:
+                client = await self._attempt(slot)
+                if client is not None and slot.loop_id == mine:
+                    if client.is_open:
+                        slot.attempts = 0
+                        return True
+                    # Dropped between its open and now: its on_lost saw this
+                    # loop running and left the next attempt to it.
+                    self.tally.reconnects += 1
+                slot.attempts += 1
+                if not self.reconnect or slot.attempts > MAX_RECONNECTS:
+                    self.tally.gave_up += 1
+                    return False
+                await asyncio.sleep(self._backoff(slot.attempts))
+            return False
+        finally:
+            if slot.loop_id == mine:
+                slot.looping = False
 
     def _backoff(self, attempts: int) -> float:
         base: float = min(BACKOFF_MAX, BACKOFF_START * 2 ** (attempts - 1))
         return base * (0.8 + 0.4 * random.random())
 
-    async def _attempt(self, slot: Slot) -> bool:
+    async def _attempt(self, slot: Slot) -> SimClient | None:
+        """One connect attempt for the slot; the client if it opened."""
         host, port = slot.endpoint
         client = SimClient(slot.spec, slot.token, host, port, self.tally, self._lost, slot.book)
         client.started_ns = time.time_ns()
-        if slot.client is not None:
-            self.slot_of.pop(slot.client, None)
+        previous = slot.client
+        if previous is not None:
+            self.slot_of.pop(previous, None)
+            previous.abort()  # one live connection per slot, whatever came before
         slot.client = client
         self.slot_of[client] = slot
-        return await self._connect(client, host, port)
+        return client if await self._connect(client, host, port) else None
 
     async def _connect(self, client: SimClient, host: str, port: int) -> bool:
-        """Connect and complete the handshake in time; a failure is counted and aborted."""
+        """Connect and complete the handshake in time; a failure is counted and aborted.
+
+        An attempt we abandoned ourselves (the client aborted meanwhile: a
+        newer attempt, ``close_all``) is not a failed connect.
+        """
         try:
             async with asyncio.timeout(self.connect_timeout):
                 await asyncio.get_running_loop().create_connection(lambda: client, host, port)
                 await client.opened
-        except (OSError, TimeoutError, HandshakeError):
-            self.tally.connect_failures += 1
+        except (OSError, TimeoutError, HandshakeError) as exc:
+            if not client.closing:
+                # connection_made ran: TCP was up, whatever create_connection said
+                self._count_failure(exc, client.transport is not None)
             client.abort()
             return False
         return True
+
+    def _count_failure(self, exc: BaseException, connected: bool) -> None:
+        """Every failed attempt counts, each under its cause: a 503 or a timeout is
+        a failed connect as much as a refused one, for the client that sees it."""
+        tally = self.tally
+        tally.connect_failures += 1
+        if isinstance(exc, TimeoutError) and connected:
+            tally.connect_timeouts_handshake += 1
+        elif isinstance(exc, TimeoutError):
+            tally.connect_timeouts_tcp += 1
+        elif isinstance(exc, ConnectionRefusedError):
+            tally.connect_refused += 1
+        elif isinstance(exc, HandshakeError) and exc.status == 503:
+            tally.connect_shed += 1
+        elif isinstance(exc, ConnectionError) or (
+            isinstance(exc, HandshakeError) and exc.status == 0 and "closed" in str(exc)
+        ):
+            tally.connect_reset += 1
+        else:
+            tally.connect_other += 1
+            if len(tally.error_samples) < 20:
+                tally.error_samples.append(f"connect: {type(exc).__name__}: {exc}"[:200])
 
     def _lost(self, client: SimClient, code: int | None) -> None:
         if self.stopping or client.closing or not self.reconnect:
@@ -259,17 +319,11 @@ class Worker:
         if code == 1001:
             return  # an idle timeout: the browser waits until the tab is visible again
         slot = self.slot_of.get(client)
-        if slot is not None:
-            self._spawn(self._reopen(slot))
-
-    async def _reopen(self, slot: Slot) -> None:
+        if slot is None or slot.client is not client or slot.looping:
+            return  # not the slot's connection, or its connect loop is still running
+        self.tally.reconnects += 1
         slot.attempts += 1
-        if slot.attempts > MAX_RECONNECTS:
-            return
-        await asyncio.sleep(self._backoff(slot.attempts))
-        if not self.stopping:
-            self.tally.reconnects += 1
-            await self._open(slot)
+        self._spawn(self._open(slot, self._backoff(slot.attempts)))
 
     async def close_all(self) -> None:
         """Drop every connection (teardown: not measured)."""
@@ -297,6 +351,8 @@ class Worker:
         self.tally.recovered_ns = []
         for slot in self.slots:
             slot.attempts = 0
+            if slot.book is not None:
+                slot.book.recovered_ns = 0
         await asyncio.sleep(max(0.0, (at_ns - time.time_ns()) / 1e9))
         self.stopping = False
         await asyncio.gather(*(self._open(slot) for slot in self.slots))
@@ -305,14 +361,25 @@ class Worker:
         """Compare every stream client's last positions with each stream's top.
 
         ``tops`` maps a stream to its last offset. ``behind`` sums how far
-        clients are below it (events never received; a stream with no
-        position at all counts whole), ``ahead`` how far above; ``epochs``
-        lists each stream's epochs seen by these clients.
+        connected clients are below it (events never received; a stream with
+        no position at all counts whole), ``ahead`` how far above; ``epochs``
+        lists each stream's epochs seen by these clients. A client with no
+        open connection (it gave up, or is between attempts) proves nothing
+        about the server: its streams are counted apart, in ``disconnected``
+        and ``behind_disconnected``.
         """
-        behind = ahead = unknown = checked = 0
+        behind = ahead = unknown = checked = disconnected = behind_disconnected = 0
         epochs: dict[str, set[str]] = {}
         for slot in self.slots:
             if slot.book is None:
+                continue
+            if slot.client is None or not slot.client.is_open:
+                disconnected += 1
+                for meta, game_id in slot.spec.games:
+                    top = tops.get(f"game:{meta}#{game_id}")
+                    position = slot.book.positions.get(f"game:{meta}#{game_id}")
+                    if top is not None:
+                        behind_disconnected += max(0, int(top) - (position or [0, 0])[1])
                 continue
             for meta, game_id in slot.spec.games:
                 stream = f"game:{meta}#{game_id}"
@@ -333,6 +400,8 @@ class Worker:
             "behind": behind,
             "ahead": ahead,
             "unknown": unknown,
+            "disconnected": disconnected,
+            "behind_disconnected": behind_disconnected,
             "epochs": {stream: sorted(seen) for stream, seen in epochs.items()},
         }
 
@@ -417,6 +486,11 @@ class Worker:
             },
             "first_snapshot_ns": tally.first_snapshot_ns,
             "recovered_ns": tally.recovered_ns,
+            "clients_recovered_ns": [
+                slot.book.recovered_ns
+                for slot in self.slots
+                if slot.book is not None and slot.book.recovered_ns
+            ],
             "started_ns": [
                 slot.client.started_ns for slot in self.slots if slot.client is not None
             ],

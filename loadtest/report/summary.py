@@ -38,6 +38,21 @@ def figure_rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows += _server_rows(f"Redis Cluster ({figs['nodes']} nodes) fanout", figs["fanout"])
         else:
             rows += _server_rows(name, figs)
+    floor = result["figures"].get("floor")
+    if floor:
+        p = floor["saturate"]
+        per_round = ", ".join(_fmt(r["saturate"]["delivered_per_cpu_s"]) for r in floor["rounds"])
+        name = "floor (C send() loop)"
+        rows.append(
+            (name, "saturated: events/s (paced as ours)", f"{_fmt(p['events'] / p['window_s'])} /s")
+        )
+        rows.append(
+            (
+                name,
+                "saturated: delivered per CPU-s",
+                f"{_fmt(p['delivered_per_cpu_s'])} msg (rounds: {per_round})",
+            )
+        )
     return rows
 
 
@@ -55,8 +70,57 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             figs["bytes_per_stream_full_history"],
             "B",
         )
-        add("Redis bytes per stream, meta only", figs["bytes_per_stream_meta_only"], "B")
+        add(
+            "Redis bytes per stream, histories deleted (meta, live names)",
+            figs["bytes_per_stream_meta_only"],
+            "B",
+        )
         add("growth past the cap, per stream", figs["growth_past_cap_bytes_per_stream"], "B")
+    if "connect_rounds" in figs:
+        rounds = figs["connect_rounds"]
+        add("delivered per server CPU-s, right after connect", figs["delivered_per_cpu_s"])
+        add("per round", ", ".join(_fmt(r["delivered_per_cpu_s"]) for r in rounds))
+        if "last_seen_writes" in rounds[0]:
+            add(
+                "lastSeen writes / requests during the phases",
+                f"{_fmt(sum(r['last_seen_writes'] for r in rounds))} / "
+                f"{_fmt(sum(r['last_seen_requests'] for r in rounds))}",
+            )
+    if "post_to_ack" in figs:
+        lat = figs["post_to_ack"]
+        add("authors / nodes", f"{figs['authors']} / {figs['nodes']}")
+        add(
+            "comments / acks / refused / send failed / no answer",
+            f"{figs['comments']} / {figs['acks']} / {sum(figs['refused'].values())}"
+            f" / {figs['send_failed']} / {figs['unanswered']}",
+        )
+        add("refused, by code", figs["refused"] or 0)
+        add("connections closed by the server", figs["closed_by_server"] or 0)
+        add(
+            "post -> chatAck p50/p99/max",
+            f"{_fmt(lat['p50_ms'])} / {_fmt(lat['p99_ms'])} / {_fmt(lat['max_ms'])}",
+            "ms",
+        )
+        batches = figs.get("batches")
+        if batches:
+            add(
+                "batches; comments per batch",
+                f"{_fmt(batches['batches'])}; {_fmt(batches['comments_per_batch'])}",
+            )
+            add(
+                "per batch: lock wait / GAMECOMMENTS append / publish",
+                f"{_fmt(batches['mean_lock_wait_ms'])} / {_fmt(batches['mean_store_append_ms'])}"
+                f" / {_fmt(batches['mean_publish_ms'])}",
+                "ms",
+            )
+        store = figs.get("store_get_item")
+        if store:
+            add(
+                "DynamoDB stand-in GetItem p50/p99",
+                f"{_fmt(store['p50_ms'])} / {_fmt(store['p99_ms'])}",
+                "ms",
+            )
+        add("server CPU (both nodes)", figs.get("server_cores"), "cores")
     if "rss_per_connection_kib" in figs:
         add("RSS per connection", figs["rss_per_connection_kib"], "KiB")
     if "redis_cpu_s" in figs:
@@ -104,7 +168,7 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
         t = figs["time_to_subscribed_s"]
         add("per-client time to snapshot p50/p99", f"{_fmt(t['p50_s'])} / {_fmt(t['p99_s'])}", "s")
         add("subscribed", f"{figs['subscribed']} / {figs['clients']}")
-        add("failed connects", figs["failed_connects"])
+        add("failed connects", _failed(figs))
         queue = figs.get("tcp_listen_queue") or {}
         if queue:
             add(
@@ -137,6 +201,11 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{_fmt(c['p50'])} / {_fmt(c['p99'])} / {_fmt(c['max'])}",
                 "s",
             )
+        if figs.get("where_the_time_goes"):
+            add("where the time goes", figs["where_the_time_goes"])
+            add("failed attempts by reason", figs["failed_attempts_by_reason"] or "none")
+        if figs.get("generator"):
+            add("generator (client fleets)", figs["generator"])
         add(
             f"accepts in the busiest second per node (--accept-rate {_fmt(figs['accept_rate'])})",
             figs["accepts_busiest_second"],
@@ -210,7 +279,13 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             "recovered true / false / short",
             f"{figs['recovered_true']} / {figs['recovered_false']} / {figs['recovered_short']}",
         )
-        add("failed connects", figs["failed_connects"])
+        add("failed connects", _failed(figs))
+        queue = figs.get("tcp_listen_queue") or {}
+        if queue:
+            add(
+                "listen queue overflows (system-wide)",
+                f"{queue.get('ListenOverflows', 0)} (somaxconn {figs.get('somaxconn')})",
+            )
         add(
             "server CPU during the storm",
             f"{_fmt(figs['server_cpu_s'])} CPU-s ({_fmt(figs['server_cores'])} cores)",
@@ -226,6 +301,14 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"{_fmt(a['p50_ms'])} / {_fmt(a['p99_ms'])} / {_fmt(a['max_ms'])}",
             "ms",
         )
+        for kind in ("joins", "leaves"):
+            k = figs.get(f"{kind}_all_observers_ms")
+            if k is not None:
+                add(
+                    f"{kind[:-1]} -> all observers p50/p99/max",
+                    f"{_fmt(k['p50_ms'])} / {_fmt(k['p99_ms'])} / {_fmt(k['max_ms'])}",
+                    "ms",
+                )
         add(
             "change -> each observer p50/p99/p999",
             f"{_fmt(p['p50_ms'])} / {_fmt(p['p99_ms'])} / {_fmt(p['p999_ms'])}",
@@ -332,6 +415,12 @@ def _bridge_rows(figs: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _failed(figs: dict[str, Any]) -> str:
+    causes = figs.get("failed_connects_by_cause") or {}
+    detail = ", ".join(f"{k} {v}" for k, v in causes.items() if v)
+    return f"{figs['failed_connects']}" + (f" ({detail})" if detail else "")
+
+
 GENERATOR_LIMIT = 0.9
 
 
@@ -359,7 +448,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"  {f'{server}  {figure}':<{width}}  {value}")
     ratios: dict[str, float] = figures.get("ratios", {})
     if ratios:
-        lines.append("ratios to the baseline (ours / baseline, same run):")
+        lines.append("ratios (ours / baseline; floor_*: ours / the C send() floor; same run):")
         for name, rel in ratios.items():
             lines.append(f"  {name:<34} {_fmt(rel)}")
     gen = result["generator"]

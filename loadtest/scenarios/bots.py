@@ -256,27 +256,48 @@ def make_bots(count: int, games_per_bot: int, key: rsa.RSAPrivateKey, lifetime: 
     return bots
 
 
-def write_rows(endpoint: str, table: str, bots: Sequence[Bot]) -> int:
-    """``BOT`` and ``CURRENTGAMES#`` rows, as the backend writes them."""
-    client = boto3.client(
+def _dynamodb(endpoint: str) -> Any:
+    return boto3.client(
         "dynamodb",
         endpoint_url=endpoint,
         region_name=FAKE_AWS["AWS_DEFAULT_REGION"],
         aws_access_key_id=FAKE_AWS["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=FAKE_AWS["AWS_SECRET_ACCESS_KEY"],
     )
+
+
+def _bot_item(bot_id: str) -> dict[str, Any]:
+    """A ``BOT`` row as the backend's ``create_bot`` writes it."""
+    return {
+        "pk": {"S": "BOT"},
+        "sk": {"S": bot_id},
+        "name": {"S": bot_id},
+        "owner": {"S": OPPONENT},
+        "endpoint": {"S": "https://bot.invalid/hook"},
+        "lastseen": {"N": str(int(time.time() * 1000))},
+    }
+
+
+def _batch_write(client: Any, table: str, items: list[dict[str, Any]]) -> int:
+    for start in range(0, len(items), 25):
+        requests = [{"PutRequest": {"Item": item}} for item in items[start : start + 25]]
+        pending: dict[str, Any] = {table: requests}
+        while pending:
+            response = client.batch_write_item(RequestItems=pending)
+            pending = response.get("UnprocessedItems") or {}
+    return len(items)
+
+
+def write_bot_rows(endpoint: str, table: str, bot_ids: Sequence[str]) -> int:
+    """Only ``BOT`` rows: production keeps no ``CURRENTGAMES#`` rows for bots."""
+    return _batch_write(_dynamodb(endpoint), table, [_bot_item(b) for b in bot_ids])
+
+
+def write_rows(endpoint: str, table: str, bots: Sequence[Bot]) -> int:
+    """``BOT`` and ``CURRENTGAMES#`` rows, as the backend writes them."""
     items: list[dict[str, Any]] = []
     for bot in bots:
-        items.append(
-            {
-                "pk": {"S": "BOT"},
-                "sk": {"S": bot.bot_id},
-                "name": {"S": bot.bot_id},
-                "owner": {"S": OPPONENT},
-                "endpoint": {"S": "https://bot.invalid/hook"},
-                "lastseen": {"N": str(int(time.time() * 1000))},
-            }
-        )
+        items.append(_bot_item(bot.bot_id))
         for game in bot.games:
             players = [(OPPONENT, "Opponent"), (bot.bot_id, bot.bot_id)]
             items.append(
@@ -297,13 +318,7 @@ def write_rows(endpoint: str, table: str, bots: Sequence[Bot]) -> int:
                     "numMoves": {"N": "2"},
                 }
             )
-    for start in range(0, len(items), 25):
-        requests = [{"PutRequest": {"Item": item}} for item in items[start : start + 25]]
-        pending: dict[str, Any] = {table: requests}
-        while pending:
-            response = client.batch_write_item(RequestItems=pending)
-            pending = response.get("UnprocessedItems") or {}
-    return len(items)
+    return _batch_write(_dynamodb(endpoint), table, items)
 
 
 # --- the scenario -----------------------------------------------------------------

@@ -31,7 +31,7 @@ the sender is read per phase, to show where the time goes:
   polls); a phase's node CPU minus that idle rate, per message, is the bridge
   path's own cost, and its inverse the messages a node CPU-second takes;
 - the queue's depth (visible, in flight and delayed) is sampled every second: moto's cost per
-  call grows with it (``loadtest/README.md``, "The bridge scenario").
+  call grows with it (``loadtest/METHODS.md``, "bridge").
 """
 
 from __future__ import annotations
@@ -643,29 +643,34 @@ async def _phase(
     sampler.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await sampler
-    await asyncio.sleep(1.5)
+    game_of: dict[int, int] = sent["game_of"]
+    expected_by_game: dict[int, set[int]] = {}
+    for k in sent["sent_keys"]:  # what SQS accepted; an unsent message is no one's loss
+        expected_by_game.setdefault(game_of[k], set()).add(k)
+    # A deleted message's event may still be on its way to the sockets (the bus, the
+    # node's loop, the client's): on a loaded machine that takes any time, so collect
+    # until every counted watcher holds every event, not after a fixed pause.
+    received = await _collect_until_complete(
+        clients,
+        [
+            expected_by_game.get(w.game, set()) if killed is None or w.node != killed else None
+            for w in watchers
+        ],
+        limit=30.0,
+    )
     wall = time.monotonic() - started
     cpu = {
         name: round(p.cpu() - cpu_before[name], 3)
         for p in [*nodes, moto, redis]
         if (name := p.name) in cpu_before and p.running()
     }
-    received: list[list[tuple[int, int, int]]] = []
-    for conn, _ in clients:
-        conn.send("collect")
-    for conn, _ in clients:
-        _kind, data = await _recv(conn, 60)
-        received += data
-    game_of: dict[int, int] = sent["game_of"]
-    expected_by_game: dict[int, set[int]] = {}
-    for k in sent["sent_keys"]:  # what SQS accepted; an unsent message is no one's loss
-        expected_by_game.setdefault(game_of[k], set()).add(k)
     lost = dup = 0
     latencies: list[int] = []
     after_accept: list[int] = []
     send_ns_of: dict[int, int] = sent["send_ns_of"]
     counted = 0
     dup_samples: list[dict[str, Any]] = []
+    lost_samples: list[dict[str, Any]] = []
     for watcher, got in zip(watchers, received, strict=True):
         if killed is not None and watcher.node == killed:
             continue  # its socket died with the node
@@ -673,7 +678,12 @@ async def _phase(
         keys = [k for k, _, _ in got]
         unique = set(keys)
         expected = expected_by_game.get(watcher.game, set())
-        lost += len(expected - unique)
+        missing = expected - unique
+        lost += len(missing)
+        if missing and len(lost_samples) < 10:
+            lost_samples.append(
+                {"watcher": watcher.user, "node": watcher.node, "k": sorted(missing)[:10]}
+            )
         dup += len(keys) - len(unique)
         latencies += [ns for _, ns, _ in got]
         after_accept += [ns - send_ns_of.get(k, 0) for k, ns, _ in got]
@@ -737,7 +747,41 @@ async def _phase(
         "cpu_cores": {name: round(value / wall, 3) for name, value in cpu.items()},
         "killed": nodes[killed].name if killed is not None else None,
         "duplicates_sample": dup_samples[:10],
+        "lost_sample": lost_samples,
     }
+
+
+async def _collect_until_complete(
+    clients: Sequence[tuple[Conn, Any]],
+    expected: Sequence[set[int] | None],
+    limit: float,
+) -> list[list[tuple[int, int, int]]]:
+    """Every watcher's frames, collected until each has its ``expected`` keys.
+
+    A watcher expecting None (its node was killed) is collected but not waited for.
+    After ``limit`` seconds without a new frame, what has arrived is returned: the
+    rest is lost.
+    """
+    received: list[list[tuple[int, int, int]]] = [[] for _ in expected]
+    deadline = time.monotonic() + limit
+    while True:
+        batch: list[list[tuple[int, int, int]]] = []
+        for conn, _ in clients:
+            conn.send("collect")
+        for conn, _ in clients:
+            _kind, data = await _recv(conn, 60)
+            batch += data
+        for kept, more in zip(received, batch, strict=True):
+            kept += more
+        if any(batch):
+            deadline = time.monotonic() + limit
+        complete = all(
+            keys is None or keys <= {k for k, _, _ in got}
+            for got, keys in zip(received, expected, strict=True)
+        )
+        if complete or time.monotonic() >= deadline:
+            return received
+        await asyncio.sleep(0.5)
 
 
 async def _sample_depth(endpoint: str, queue_url: str, depths: list[int]) -> None:

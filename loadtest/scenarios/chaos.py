@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import random
@@ -77,6 +78,7 @@ META = "chaos"
 HISTORY_SIZE = 50
 """The nodes' ``--history-size``: a hole wider than this is truly gone from history."""
 PRESENCE_GOAL_S = 10.0
+"""The issue's goal: every tab's presence equals the truth this soon after the last fault."""
 NODE_ARGS = [
     "--node-heartbeat-ms",
     "500",
@@ -998,10 +1000,14 @@ def _check_stream(
 GOALS = ("lost", "duplicated", "out_of_order", "unannounced_gaps", "conflicts")
 
 
-def passed(result: dict[str, Any]) -> bool:
+def passed(result: dict[str, Any], presence_goal_s: float | None = PRESENCE_GOAL_S) -> bool:
+    """Every goal met; ``presence_goal_s=None`` asks only that presence converged
+    (a verdict free of how much CPU the machine gave the nodes, for the test suite)."""
+    converged = result["presence_converged_s"]
     return (
         all(result[name] == 0 for name in GOALS)
-        and result["presence_converged_s"] is not None
+        and converged is not None
+        and (presence_goal_s is None or converged <= presence_goal_s)
         and not result["crashed"]
         and not result["recovered_false"].get("unexplained")
     )
@@ -1032,6 +1038,7 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         "presence: "
         + (
             f"equal to the truth {converged} s after the last node or Redis fault"
+            f" (goal {PRESENCE_GOAL_S:g} s)"
             if converged is not None
             else "NOT converged: " + "; ".join(result["presence_misses"])
         )
@@ -1077,9 +1084,13 @@ def main(argv: Sequence[str]) -> int:
             games=args.games,
         )
         started = os.getloadavg()
+        begun = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         dump = args.dump.with_suffix(f".{topology}.json") if args.dump else None
         result = asyncio.run(run_chaos(options, dump))
         result["load_average"] = {"start": started, "end": os.getloadavg()}
+        # what loadtest/report/table.py shows beside the figures
+        result["date"] = begun
+        result["command"] = ["python", "-m", "loadtest", "chaos", *argv]
         results.append(result)
         print("\n".join(report_lines(result)))
         print(f"load average: start {started}, end {result['load_average']['end']}", flush=True)

@@ -21,6 +21,7 @@ import numpy as np
 
 from loadtest.clients.publisher import Publisher, PublishStats
 from loadtest.clients.sim import ClientSpec
+from loadtest.harness.floor import Floor, FloorRun
 from loadtest.harness.pool import WorkerError
 from loadtest.harness.procstat import somaxconn, tcp_counters
 from loadtest.harness.redis_cluster import start_redis_cluster
@@ -28,6 +29,7 @@ from loadtest.harness.runner import (
     Options,
     Run,
     browser_specs,
+    failures_by_cause,
     game_refs,
     http_endpoint,
     merge_counters,
@@ -38,7 +40,8 @@ from loadtest.harness.servers import Proc, create_table, start_moto, start_ours,
 from loadtest.report.stats import Histogram, mean_of, ratio, seconds_summary
 from loadtest.report.targets import Target, check
 from loadtest.scenarios.abuse import abuse, churn, run_metrics
-from loadtest.scenarios.bots import bots
+from loadtest.scenarios.bots import bots as bots_published
+from loadtest.scenarios.bots_queue import bots_queue
 from loadtest.scenarios.failover import measure as measure_failover
 from loadtest.scenarios.streammem import streammem
 
@@ -142,12 +145,36 @@ async def fanout(run: Run) -> Result:
     targets: dict[str, list[Proc]] = {}
     for kind in _servers(options):
         targets[kind] = [await run.start_server(kind)]
-    servers = await fanout_compare(run, targets, specs, games, watchers)
+    floor = c_floor(run, specs, games)
+    try:
+        servers = await fanout_compare(run, targets, specs, games, watchers, floor=floor)
+    finally:
+        floor.close()
     await run.stop_servers(*targets)
-    result: Result = {"servers": servers, "watchers_per_game": mean_of(watchers)}
+    # beside the servers: it is no server, and has no latency or steady phase
+    floor_figures = servers.pop("floor")
+    result: Result = {
+        "servers": servers,
+        "floor": floor_figures,
+        "watchers_per_game": mean_of(watchers),
+    }
     # issue 8: the streams must keep fan-out at least as cheap as the baseline
-    result.update(_fanout_verdicts(options, servers, "ours", "fanout", ratio_limit=1.0))
+    result.update(
+        _fanout_verdicts(options, servers, "ours", "fanout", ratio_limit=1.0, floor=floor_figures)
+    )
     return result
+
+
+def c_floor(run: Run, specs: Sequence[ClientSpec], games: Sequence[tuple[str, str]]) -> Floor:
+    """The C send() loop over as many sockets as ``specs``, each watching its spec's games."""
+    where = {game: index for index, game in enumerate(games)}
+    return Floor(
+        len(specs),
+        games,
+        [[where[game] for game in spec.games] for spec in specs],
+        sorted(run.server_cpus),
+        sorted(run.generator_cpus),
+    )
 
 
 async def baseline(run: Run) -> Result:
@@ -169,6 +196,8 @@ async def fanout_compare(
     specs: Sequence[ClientSpec],
     games: Sequence[tuple[str, str]],
     watchers: Sequence[int],
+    *,
+    floor: Floor | None = None,
 ) -> dict[str, Result]:
     """Measure every server in ``targets`` with the same clients, phases interleaved.
 
@@ -177,9 +206,14 @@ async def fanout_compare(
     half of each server's own saturating rate; the order alternates between
     rounds, so drifting noise on a shared machine hits every server alike.
     The headline figures are medians over the rounds.
+
+    With ``floor``, each round also runs the C ``send()`` loop for as long as
+    a saturation phase, at the publish rate the last server under test
+    reached in that round: same frames, same sockets, same rate (``floor``).
     """
     options = run.options
     labels = list(targets)
+    floor_rounds: list[Result] = []
     out: dict[str, Result] = {}
     for label in labels:
         out[label] = await connect_measured(run, label, targets[label], specs)
@@ -208,6 +242,7 @@ async def fanout_compare(
         for number in range(options.rounds):
             order = labels if number % 2 == 0 else labels[::-1]
             rates: dict[str, float] = {}
+            saturating: dict[str, float] = {}
             phases: dict[str, dict[str, Any]] = {label: {} for label in labels}
             for label in order:
                 phase_id = _phase_id(number, labels.index(label), SATURATE)
@@ -216,7 +251,11 @@ async def fanout_compare(
                 )
                 expected += stats.expected_deliveries
                 phases[label]["saturate"] = (stats, meters)
-                rates[label] = options.rate or max(1.0, stats.accepted / stats.duration / 2)
+                saturating[label] = max(1.0, stats.accepted / stats.duration)
+                rates[label] = options.rate or saturating[label] / 2
+            if floor is not None:
+                paced_by = next(label for label in labels if label != "baseline")
+                floor_rounds.append(await _floor_phase(run, floor, saturating[paced_by]))
             for label in order:
                 phase_id = _phase_id(number, labels.index(label), STEADY)
                 stats, meters = await _publish_phase(
@@ -245,7 +284,26 @@ async def fanout_compare(
         out[label].update(_combine_rounds(rounds[label]))
         out[label]["counters"] = counters
         out[label]["error_samples"] = [e for r in results for e in r["error_samples"]][:10]
+    if floor_rounds:
+        out["floor"] = _combine_floor(floor_rounds)
     return out
+
+
+async def _floor_phase(run: Run, floor: Floor, events_per_s: float) -> Result:
+    seconds = run.options.saturation_seconds
+    run.progress.log(f"floor: C send() loop, {events_per_s:.0f} events/s for {seconds:g} s")
+    run.activate("floor", "saturate")
+    measured: FloorRun = await floor.run(seconds, events_per_s)
+    return {"saturate": measured.figures()}
+
+
+def _combine_floor(rounds: list[Result]) -> Result:
+    """The floor's figures: medians over rounds, and every round (for per-round ratios)."""
+    combined: Result = {}
+    for key in rounds[0]["saturate"]:
+        values = [float(r["saturate"][key]) for r in rounds]
+        combined[key] = round(statistics.median(values), 3)
+    return {"saturate": combined, "rounds": rounds}
 
 
 def _phase_id(number: int, server: int, kind: int) -> int:
@@ -344,7 +402,12 @@ def _combine_rounds(rounds: list[Result]) -> Result:
 
 
 def _fanout_verdicts(
-    options: Options, servers: dict[str, Any], name: str, scenario: str, ratio_limit: float = 0.8
+    options: Options,
+    servers: dict[str, Any],
+    name: str,
+    scenario: str,
+    ratio_limit: float = 0.8,
+    floor: Result | None = None,
 ) -> Result:
     ours = servers[name]
     out: Result = {}
@@ -408,8 +471,41 @@ def _fanout_verdicts(
             note=note,
         )
     )
+    if floor is not None:
+        targets.append(_floor_verdict(options, ours, floor, scenario, out))
     out["targets"] = targets
     return out
+
+
+FLOOR_RATIO = 0.85
+"""Issue 21: delivered frames per server CPU-second at least this share of the C floor's."""
+
+
+def _floor_verdict(
+    options: Options, ours: Result, floor: Result, scenario: str, out: Result
+) -> dict[str, Any]:
+    """Ours ÷ the C floor: the median of the per-round ratios (saturated)."""
+    per_round = [
+        ratio(o["saturate"]["delivered_per_cpu_s"], f["saturate"]["delivered_per_cpu_s"])
+        for o, f in zip(ours["rounds"], floor["rounds"], strict=False)
+    ]
+    numbers = [v for v in per_round if not math.isnan(v)]
+    value = round(statistics.median(numbers), 3) if numbers else math.nan
+    spread = [round(v, 3) for v in per_round]
+    out.setdefault("ratio_rounds", {})["floor_delivered_per_cpu_s_saturate"] = spread
+    out.setdefault("ratios", {})["floor_delivered_per_cpu_s_saturated"] = value
+    return check(
+        Target(
+            scenario,
+            "delivered messages per server CPU-second, ratio to the C send() floor",
+            "x",
+            ">=",
+            FLOOR_RATIO,
+        ),
+        value,
+        options.connections,
+        note=f"saturated; median of the per-round ratios {spread}",
+    )
 
 
 # --- presence -----------------------------------------------------------------
@@ -428,7 +524,7 @@ async def presence(run: Run) -> Result:
 
 def _presence_verdicts(options: Options, figures: Result, scenario: str) -> list[dict[str, Any]]:
     observers = figures["observers"]
-    limit = options.debounce_ms + 100.0
+    debounce = options.debounce_ms
     return [
         check(
             Target(scenario, "seq gaps seen by observers", "", "<=", 0),
@@ -438,15 +534,28 @@ def _presence_verdicts(options: Options, figures: Result, scenario: str) -> list
         check(
             Target(
                 scenario,
-                "p99 time for a change to reach all observers",
+                "p99 time for a join to reach all observers",
                 "ms",
                 "<=",
-                limit,
+                debounce + 100.0,
                 ("observers", 5000),
             ),
-            figures["all_observers_ms"]["p99_ms"],
+            figures["joins_all_observers_ms"]["p99_ms"],
             observers,
-            note=f"debounce {options.debounce_ms} ms + 100 ms",
+            note=f"debounce {debounce} ms + 100 ms",
+        ),
+        check(
+            Target(
+                scenario,
+                "p99 time for a leave to reach all observers",
+                "ms",
+                "<=",
+                2 * debounce + 100.0,
+                ("observers", 5000),
+            ),
+            figures["leaves_all_observers_ms"]["p99_ms"],
+            observers,
+            note=f"2 x debounce {debounce} ms + 100 ms: a leave waits a whole quiet window",
         ),
     ]
 
@@ -572,6 +681,14 @@ def presence_figures(
                 receipts.append(int(times.size))
                 timeline.append((at, kind, to_all[-1], to_first[-1]))
     pairs = np.concatenate(pair_parts) / 1e6 if pair_parts else np.zeros(0)
+    by_kind = {
+        kind: np.asarray([to_all_ms for _, k, to_all_ms, _ in timeline if k == kind])
+        for kind in ("join", "leave")
+    }
+    first_by_kind = {
+        kind: np.asarray([first_ms for _, k, _, first_ms in timeline if k == kind])
+        for kind in ("join", "leave")
+    }
     return {
         "actions": len(actions),
         "actions_seen": len(seen),
@@ -581,6 +698,12 @@ def presence_figures(
         "missed_receipts": int(sum(max(0, subscribed_observers - r) for r in receipts)),
         "pairs_ms": _summary(pairs),
         "all_observers_ms": _summary(np.asarray(to_all)),
+        # a join is due within one window, a leave (held by the no-flap rule) within two
+        "joins_all_observers_ms": _summary(by_kind["join"]),
+        "leaves_all_observers_ms": _summary(by_kind["leave"]),
+        # the commit's own timing, without the fan-out to every observer
+        "joins_first_observer_ms": _summary(first_by_kind["join"]),
+        "leaves_first_observer_ms": _summary(first_by_kind["leave"]),
         "first_observer_ms": _summary(np.asarray(to_first)),
         "pairs_cdf_ms": _sample_cdf(pairs),
         "all_observers_cdf_ms": _sample_cdf(np.asarray(to_all)),
@@ -718,6 +841,7 @@ async def _storm_one(run: Run, label: str, proc: Proc, specs: Sequence[ClientSpe
         "time_to_all_subscribed_s": round(times[-1], 3) if times and everyone else math.nan,
         "time_to_subscribed_s": seconds_summary(times),
         "failed_connects": counters.get("connect_failures", 0),
+        "failed_connects_by_cause": failures_by_cause(counters),
         "dropped": counters.get("dropped", 0),
         "tcp_listen_queue": {
             name: tcp_after.get(name, 0) - tcp_before.get(name, 0) for name in tcp_after
@@ -830,7 +954,12 @@ async def cluster(run: Run) -> Result:
         targets = {"baseline": [await run.start_server("baseline")], **targets}
     redis_cpu = redis_proc.cpu()
     rcluster_cpu = rcluster.cpu_seconds()
-    fan = await fanout_compare(run, targets, specs, games, watchers)
+    floor = c_floor(run, specs, games)
+    try:
+        fan = await fanout_compare(run, targets, specs, games, watchers, floor=floor)
+    finally:
+        floor.close()
+    floor_figures = fan.pop("floor")
     fan["cluster"]["redis_cpu_s"] = round(redis_proc.cpu() - redis_cpu, 3)
     fan["rcluster"]["redis_cpu_s"] = round(rcluster.cpu_seconds() - rcluster_cpu, 3)
     await run.stop_servers("baseline")
@@ -853,10 +982,11 @@ async def cluster(run: Run) -> Result:
         servers["baseline"] = fan["baseline"]
     servers["cluster"] = {"nodes": options.nodes, "fanout": fan["cluster"], "presence": pres}
     servers["rcluster"] = {"nodes": options.nodes, "fanout": fan["rcluster"]}
-    verdicts = _fanout_verdicts(options, fan, "cluster", "cluster fanout")
+    verdicts = _fanout_verdicts(options, fan, "cluster", "cluster fanout", floor=floor_figures)
     rverdicts = _rcluster_verdicts(options, fan, failover)
     return {
         "servers": servers,
+        "floor": floor_figures,
         "watchers_per_game": mean_of(watchers),
         "ratios": {**verdicts.get("ratios", {}), **rverdicts["ratios"]},
         "failover": failover,
@@ -921,6 +1051,11 @@ def _rcluster_verdicts(options: Options, fan: dict[str, Any], failover: Result) 
         ),
     ]
     return {"ratios": ratios, "targets": targets}
+
+
+async def bots(run: Run) -> Result:
+    """``bots``: turns published to bots; with ``--bot-queue``, fed through the bot queue."""
+    return await (bots_queue(run) if run.options.bot_queue else bots_published(run))
 
 
 SCENARIOS = {

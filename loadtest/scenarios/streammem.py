@@ -6,8 +6,10 @@
 
 1. every stream gets one event (a new stream: meta hash, history of one);
 2. every stream is filled to ``--history-size`` events (a busy stream at its cap);
-3. one more event per stream (at the cap, so memory must not grow: MAXLEN holds);
-4. the histories are dropped, as their ttl would (an idle stream: meta only).
+3. one more event per stream (at the cap, so the history does not grow: MAXLEN holds;
+   the event's name key is new);
+4. the histories are dropped, as their ttl would (an idle stream: its meta, and the
+   names of its events until their window ends).
 
 The figure the issue asks for is phase 2's bytes per active stream.
 """

@@ -103,8 +103,28 @@ class BotVerifier:
         await self._jwks.close()
 
 
+DEV_BOT_SCOPE = "ap-realtime-dev/bot"
+"""The scope of a development bot token (``ap-realtime dev-token --bot``)."""
+
+
+def dev_bot_claims(client_id: str, now: int, seconds: int) -> dict[str, Any]:
+    """A development bot token's claims, shaped like a bot pool access token."""
+    return {
+        "sub": client_id,
+        "client_id": client_id,
+        "token_use": "access",
+        "scope": DEV_BOT_SCOPE,
+        "iat": now,
+        "exp": now + seconds,
+    }
+
+
 class DevVerifier:
-    """HS256 tokens signed with the development secret; ``sub`` is the user id."""
+    """HS256 tokens signed with the development secret; ``sub`` is the user id.
+
+    One with ``token_use`` = access and the development bot scope is a bot's
+    (``dev-token --bot``): it is admitted as bots are, only with a ``BOT`` row.
+    """
 
     def __init__(self, secret: str) -> None:
         if len(secret) < 32:
@@ -112,7 +132,15 @@ class DevVerifier:
         self._secret = secret
 
     async def verify(self, token: str, header: dict[str, Any]) -> Identity:
-        return _identity(_decode(token, self._secret, "HS256"), "human")
+        claims = _decode(token, self._secret, "HS256")
+        if claims.get("token_use") != "access":
+            return _identity(claims, "human")
+        scope = claims.get("scope")
+        if not isinstance(scope, str) or DEV_BOT_SCOPE not in scope.split():
+            raise AuthError(f"a development bot token needs the scope {DEV_BOT_SCOPE!r}")
+        if claims.get("client_id") != claims.get("sub"):
+            raise AuthError("token's client_id and sub differ")
+        return _identity(claims, "bot")
 
 
 class Authenticator:

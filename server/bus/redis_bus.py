@@ -32,6 +32,7 @@ from server.redis.client import RedisUnavailable, make_client
 from server.redis.keys import channel_for
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Counter, Registry
+from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +178,7 @@ class RedisBus(LocalDelivery):
     async def close(self) -> None:
         self._closing = True
         if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+            await cancel_and_wait(self._reader)
             self._reader = None
         self._handler = None
         self._topics.clear()

@@ -54,6 +54,7 @@ from server.redis.keys import channel_for
 from server.redis.shard_pipes import ShardPipes
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Registry
+from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +193,7 @@ class _Shard:
     async def close(self) -> None:
         reader, self.reader = self.reader, None
         if reader is not None and reader is not asyncio.current_task():
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+            await cancel_and_wait(reader)
         pubsub, self.pubsub = self.pubsub, None
         for future in self.barriers.values():
             if not future.done():
@@ -312,9 +311,7 @@ class RedisClusterBus(LocalDelivery):
         self._closing = True
         self._healthy.clear()
         if self._repair is not None:
-            self._repair.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._repair
+            await cancel_and_wait(self._repair)
             self._repair = None
         for shard in list(self._shards.values()):
             await shard.close()

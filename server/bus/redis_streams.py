@@ -10,8 +10,13 @@ them in one Redis Cluster slot:
   ``<offset>-0`` and one field ``d`` (the envelope); expires ``history_ttl``
   after the last event.
 - ``ap:{s}:id:<event id>``: the position an event took (``<epoch>:<offset>``);
-  expires after its window (``server/bus/streams.py``: 24 h for names from
-  outside, 5 min for names the server made).
+  expires after its window (``server/bus/streams.py``, ``id_window``: 5 min for
+  names the server made, 24 h for notifications, 15 min for other names from
+  outside).
+
+An append may carry a ``Fence``: a lease key in the stream's slot (a game's
+chat lock) that the script checks, and releases after the append if asked,
+so a chat post's events and its lock's release are one round trip.
 
 ``APPEND`` (``lua/stream_append.lua``) creates the epoch if the meta is gone
 (a new epoch starts at offset 1 and drops any old history), takes the next
@@ -56,6 +61,7 @@ from server.bus.streams import (
     DEFAULT_LIMITS,
     OWN_NAME,
     Append,
+    Fence,
     HistoryAsk,
     StreamLimits,
     id_window,
@@ -89,8 +95,9 @@ def event_id_key(stream: str, event_id: str) -> str:
     return "ap:{" + stream + "}:id:" + event_id
 
 
-def append_keys(stream: str, event_id: str) -> list[str]:
-    return [meta_key(stream), history_key(stream), event_id_key(stream, event_id)]
+def append_keys(stream: str, event_id: str, fence: Fence | None = None) -> list[str]:
+    keys = [meta_key(stream), history_key(stream), event_id_key(stream, event_id)]
+    return keys if fence is None else [*keys, fence.key]
 
 
 class RedisStreams:
@@ -133,7 +140,9 @@ class RedisStreams:
             await self._appends.close()
             await self._client.aclose()
 
-    def _append_args(self, data: bytes, topics: Sequence[str], event_id: str) -> list[Any]:
+    def _append_args(
+        self, data: bytes, topics: Sequence[str], event_id: str, fence: Fence | None
+    ) -> list[Any]:
         limits = self._limits
         return [
             data,
@@ -142,22 +151,29 @@ class RedisStreams:
             _ms(limits.meta_ttl),
             new_epoch(),
             _ms(id_window(limits, event_id)),
+            "" if fence is None else fence.token,
+            "1" if fence is not None and fence.release else "0",
             *[channel_for(topic) for topic in topics],
         ]
 
     async def append(
         self, stream: str, data: bytes, topics: Sequence[str], event_id: str | None = None
     ) -> Position:
-        event_id = new_event_id() if event_id is None else event_id
-        keys = append_keys(stream, event_id)
+        return await self._append_one(Append(stream, data, topics, event_id))
+
+    async def _append_one(self, item: Append) -> Position:
+        event_id = new_event_id() if item.event_id is None else item.event_id
+        keys = append_keys(item.stream, event_id, item.fence)
         if self._pipes is None:
-            (reply,) = await self._appends.run([(keys, self._append_args(data, topics, event_id))])
-            return _position(reply)
-        return await self._append_on_shard(self._pipes, keys, data, topics, event_id)
+            args = self._append_args(item.data, item.topics, event_id, item.fence)
+            (reply,) = await self._appends.run([(keys, args)])
+            return _position(reply, item.fence)
+        return await self._append_on_shard(self._pipes, keys, item, event_id)
 
     async def _append_on_shard(
-        self, pipes: ShardPipes, keys: list[str], data: bytes, topics: Sequence[str], event_id: str
+        self, pipes: ShardPipes, keys: list[str], item: Append, event_id: str
     ) -> Position:
+        data, topics = item.data, item.topics
         slot = key_slot(keys[0].encode())
         here: list[str] = []
         elsewhere: list[tuple[int, str]] = []
@@ -168,11 +184,13 @@ class RedisStreams:
                 here.append(topic)
             else:
                 elsewhere.append((channel_slot, channel))
-        args = self._append_args(data, here, event_id)
+        if item.fence is not None and key_slot(item.fence.key.encode()) != slot:
+            raise ValueError(f"fence {item.fence.key!r} is not in the slot of {item.stream!r}")
+        args = self._append_args(data, here, event_id, item.fence)
         deadline = time.monotonic() + self._failover_deadline
         reply = await pipes.script(slot, self._shard_append, keys, args, deadline)
-        position = _position(reply)
-        if elsewhere and (len(reply) == 2 or event_id.startswith(OWN_NAME)):
+        position = _position(reply, item.fence)
+        if elsewhere and (int(reply[2]) == 0 or event_id.startswith(OWN_NAME)):
             # Nothing awaited since the reply: replies come in offset order, so
             # the publishes are queued in offset order too. A repeat of a name
             # from outside was published by its first caller; a repeat of one
@@ -188,7 +206,7 @@ class RedisStreams:
             # Streams are slots of their own, maybe on other shards, and no
             # pipeline spans slots: each stream's items in order, streams at once.
             if len(items) == 1:
-                return [await self.append(*items[0])]
+                return [await self._append_one(items[0])]
             positions: dict[int, Position] = {}
             by_stream: dict[str, list[int]] = {}
             for index, item in enumerate(items):
@@ -196,17 +214,17 @@ class RedisStreams:
 
             async def in_order(indexes: list[int]) -> None:
                 for index in indexes:
-                    positions[index] = await self.append(*items[index])
+                    positions[index] = await self._append_one(items[index])
 
             await asyncio.gather(*(in_order(indexes) for indexes in by_stream.values()))
             return [positions[index] for index in range(len(items))]
         calls = []
         for item in items:
             event_id = new_event_id() if item.event_id is None else item.event_id
-            keys = append_keys(item.stream, event_id)
-            calls.append((keys, self._append_args(item.data, item.topics, event_id)))
+            keys = append_keys(item.stream, event_id, item.fence)
+            calls.append((keys, self._append_args(item.data, item.topics, event_id, item.fence)))
         replies = await self._appends.run(calls)
-        return [_position(reply) for reply in replies]
+        return [_position(reply, item.fence) for reply, item in zip(replies, items, strict=True)]
 
     def _read_args(self, after: int) -> list[Any]:
         limits = self._limits
@@ -251,5 +269,8 @@ def _history(reply: Any) -> HistoryRead[bytes]:
     return HistoryRead(_text(epoch), int(top), tuple(entries))
 
 
-def _position(reply: Any) -> Position:
+def _position(reply: Any, fence: Fence | None = None) -> Position:
+    if fence is not None:
+        fence.applied = True
+        fence.lost = int(reply[3]) == 0
     return Position(_text(reply[0]), int(reply[1]))

@@ -55,9 +55,29 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from protocol.envelope import encode_positioned
-from protocol.messages import Position
-from protocol.streams import HistoryRead
+from protocol.messages import AdminTest, GameEvent, Position, UserEvent
+from protocol.streams import HistoryRead, game_stream, user_stream
 from server.bus.memory import MemoryBus
+from server.bus.topics import ALL_GAMES, game_topic
+
+
+@dataclass
+class Fence:
+    """A lease the appends run under, in the stream's own slot (a game's chat lock).
+
+    The append checks that ``key`` still holds ``token`` and sets ``lost`` if
+    not (the event is appended all the same: it is stored already); with
+    ``release`` it then drops the lease, in the same step, so the next holder
+    can only append after this event. Only streams on Redis look at it: on
+    one process the lock is a local one, released by its holder.
+    """
+
+    key: str
+    token: str
+    release: bool = False
+    lost: bool = False
+    applied: bool = False
+    """The append that carried it ran (set by the streams on its reply)."""
 
 
 class Append(NamedTuple):
@@ -71,6 +91,22 @@ class Append(NamedTuple):
     event_id: str | None = None
     """Names the event: appended to this stream once within its window
     (:func:`id_window`); None gets a name of its own before the first attempt."""
+    fence: Fence | None = None
+
+
+def appends_for(
+    event: GameEvent | UserEvent | AdminTest, data: bytes, event_id: str | None
+) -> list[Append]:
+    """Where an event goes: a ``game``/``chat`` event to its game's stream (and to
+    legacy clients on ``games``), a user event to each addressed user's stream;
+    ``test`` has no stream."""
+    if isinstance(event, AdminTest):
+        return []
+    if isinstance(event, GameEvent):
+        topics = (game_topic(event.key), ALL_GAMES)
+        return [Append(game_stream(event.key), data, topics, event_id)]
+    # Each user stream remembers the id: a retry finds it in every one.
+    return [Append(user_stream(u), data, (user_stream(u),), event_id) for u in event.users]
 
 
 HistoryAsk = tuple[str, int]
@@ -139,7 +175,8 @@ class Streams(Protocol):
         the position it took then. Without one, the event is named first."""
 
     async def append_many(self, items: Sequence[Append]) -> list[Position]:
-        """``append`` for each item, in order (pipelined where it can be)."""
+        """``append`` for each item, in order (pipelined where it can be), each
+        under its ``fence`` if it has one (:class:`Fence`)."""
 
     async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
         """The stream's epoch and top, and its kept events with offsets above
@@ -247,7 +284,8 @@ class MemoryStreams:
                 del ids[key]
 
     async def append_many(self, items: Sequence[Append]) -> list[Position]:
-        return [self._append(*item) for item in items]
+        # the fence is a local lock here, released by its holder
+        return [self._append(i.stream, i.data, i.topics, i.event_id) for i in items]
 
     async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
         state = self._stream(stream, self._clock())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from redis.exceptions import RedisError
@@ -18,6 +19,9 @@ from server.redis.client import command_client_for
 class Claims(Protocol):
     async def claim(self, name: str, ttl_seconds: float) -> bool:
         """True for the first caller of ``name`` (a user id) until ``ttl_seconds`` pass."""
+
+    async def claim_many(self, names: Sequence[str], ttl_seconds: float) -> set[str]:
+        """``claim`` of each name, in one round trip; the names won."""
 
     async def close(self) -> None: ...
 
@@ -34,6 +38,9 @@ class MemoryClaims:
         if len(self._until) > 50_000:
             self._until = {k: v for k, v in self._until.items() if v > now}
         return True
+
+    async def claim_many(self, names: Sequence[str], ttl_seconds: float) -> set[str]:
+        return {name for name in names if await self.claim(name, ttl_seconds)}
 
     async def close(self) -> None:
         return None
@@ -62,6 +69,19 @@ class RedisClaims:
         except (RedisError, OSError):
             return await self._fallback.claim(name, ttl_seconds)
         return bool(won)
+
+    async def claim_many(self, names: Sequence[str], ttl_seconds: float) -> set[str]:
+        if not names:
+            return set()
+        px = max(1, int(ttl_seconds * 1000))
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.set(claim_key(self._purpose, name), "1", nx=True, px=px)
+                won = await pipe.execute()
+        except (RedisError, OSError):
+            return await self._fallback.claim_many(names, ttl_seconds)
+        return {name for name, ok in zip(names, won, strict=True) if ok}
 
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError):

@@ -9,9 +9,12 @@ well, renewed while held, and released only by its holder.
 
 The lease is what bounds the damage of a holder that stalls: past the lease,
 another node may go ahead. The holder therefore checks and extends its lease
-right before it publishes (``confirm``); ``ap_game_lock_lost_total`` counts the
-rare case where it had lost it, in which the order of those two comments may
-differ between the item and the stream.
+as it publishes: the last append of a post carries the lease as a ``Fence``,
+which the append script checks and releases in the same step (one round trip,
+and no other writer can append between them); ``ap_game_lock_lost_total``
+counts the rare case where it had lost it, in which the order of those two
+comments may differ between the item and the stream. (``confirm`` checks and
+extends on its own, for a holder with nothing to append.)
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
+from server.bus.streams import Fence
 from server.coordination.lease import (
     Lease,
     LeaseState,
@@ -45,8 +49,10 @@ LEASE_MS = 10_000
 WAIT_SECONDS = 20.0
 """Longest wait for a game's lock before the post is refused as ``unavailable``."""
 
-ACQUIRE_BACKOFF = Backoff(first=0.002, cap=0.02)
-"""Between two tries at a game's lease held by another node: a chat post is short."""
+ACQUIRE_BACKOFF = Backoff(first=0.002, cap=0.005)
+"""Between two tries at a game's lease held by another node. A busy game's nodes
+take turns, each waiting out the other's batch: every millisecond between the
+release and the next try is added to every comment waiting on that node."""
 
 
 class LockUnavailable(Exception):
@@ -56,6 +62,10 @@ class LockUnavailable(Exception):
 class Held(Protocol):
     async def confirm(self) -> bool:
         """Check (and extend) that this holder still has the game; False if lost."""
+
+    def fence(self) -> Fence | None:
+        """The lease for the game's last append to check and release in the same
+        step (one round trip for both), or None where the lock is a local one."""
 
 
 class GameLocks(Protocol):
@@ -112,10 +122,29 @@ def lock_key(key: str) -> str:
 class _Held:
     """One hold of a game: its lease, renewed in the background while it lasts."""
 
-    def __init__(self, lease: Lease, lost: Counter) -> None:
+    def __init__(self, lease: Lease, lost: Counter, fenced: bool) -> None:
         self._lease = lease
         self._lost = lost
+        self._fenced = fenced
+        self._fence: Fence | None = None
         self.lost = False
+
+    def fence(self) -> Fence | None:
+        if self._fenced and self._fence is None:
+            self._fence = Fence(self._lease.key, self._lease.token, release=True)
+        return self._fence
+
+    def released_by_fence(self) -> bool:
+        """The append under the fence released the lease (it ran, and it was ours);
+        a lease the renewer took again meanwhile is this holder's to release."""
+        fence = self._fence
+        if fence is None or not fence.applied:
+            return False
+        if fence.lost:
+            self._lost.inc()
+            log.warning("chat lease %s expired before the publish", self._lease.key)
+            return False
+        return not self.lost
 
     async def extend(self) -> bool:
         try:
@@ -144,7 +173,10 @@ class _Held:
 
 class _LeasedGameLocks:
     """A local lock per game first (so a node sends one contender to its lease
-    store), then the game's lease, renewed while held and released after."""
+    store), then the game's lease, renewed while held and released after: by
+    the holder's last append (``Held.fence``) where the lease lives in Redis."""
+
+    _fenced = False
 
     def __init__(self, *, lease_ms: int | None, wait: float, metrics: Registry | None) -> None:
         registry = metrics or Registry()
@@ -167,7 +199,7 @@ class _LeasedGameLocks:
         async with self._local.hold(key, deadline):
             lease = self._lease(lock_key(key), new_token("chat"))
             await self._acquire(lease, deadline)
-            held = _Held(lease, self._lost)
+            held = _Held(lease, self._lost, self._fenced)
             renewer = None
             if self._lease_ms is not None:
                 every = self._lease_ms / 3000
@@ -180,7 +212,8 @@ class _LeasedGameLocks:
                     with contextlib.suppress(asyncio.CancelledError):
                         await renewer
                 try:
-                    await lease.release()
+                    if not held.released_by_fence():
+                        await lease.release()
                 except (RedisError, OSError) as exc:
                     log.warning("could not release %s (it expires by itself): %s", lease.key, exc)
 
@@ -214,6 +247,8 @@ class MemoryGameLocks(_LeasedGameLocks):
 
 class RedisGameLocks(_LeasedGameLocks):
     """Leases in Redis (one Redis or a Redis Cluster), shared by every node."""
+
+    _fenced = True
 
     def __init__(
         self,

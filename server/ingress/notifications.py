@@ -12,7 +12,9 @@ dedup store before it is published and marked done after, so a batch read again
 after a crash or a lease handover (published, not yet checkpointed) is not
 pushed twice. Beneath that, the append names the event by the row's ``sk``
 (``<epochMs>#<random>``), so a reader killed between publishing and marking done
-(its claim expires, the next reader publishes again) still appends it once.
+still appends it once: the next reader finds the record claimed by the lost one,
+publishes it again at once (waiting the claim out would hold every later record
+of the shard back a whole ``CLAIM_SECONDS``), and the append absorbs the repeat.
 
 Why the ``sk`` and not the ``eventID``: both are the same in every redelivery
 of one stream record (a re-read after a crash or a handover), so either stops
@@ -66,16 +68,16 @@ class _PushCounters:
             "ap_notifications_repeated_total",
             "Notification records read again and not pushed again",
         )
+        self.taken_over = registry.counter(
+            "ap_notifications_taken_over_total",
+            "Records claimed by a reader that lost the lease mid-batch, published again (named)",
+        )
         self.unpushable = registry.counter(
             "ap_notifications_unpushable_total", "Notification rows that could not become an event"
         )
 
 
 _deserializer = TypeDeserializer()
-
-
-class NotificationBusy(Exception):
-    """Another reader is publishing this record right now (a handover): try again soon."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +175,13 @@ class NotificationPush:
                     self._counts.repeated.inc()
                     continue
                 if claim is Claim.BUSY:
-                    raise NotificationBusy(f"record {notification.event_id} is being published")
+                    # Claimed by a reader that lost the lease mid-batch (killed,
+                    # paused): this one holds it now, and the append is named.
+                    self._counts.taken_over.inc()
+                    log.info(
+                        "record %s was claimed by an earlier reader; publishing it again",
+                        notification.event_id,
+                    )
                 await self._publish(notification)
                 done.append(key)
         except BaseException:

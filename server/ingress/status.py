@@ -9,7 +9,6 @@ few minutes of history for the page's chart.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -21,6 +20,7 @@ from aiohttp import web
 
 from server.config import Settings
 from server.runtime.metrics import Registry
+from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,7 @@ def add_routes(app: web.Application, node: StatusSource, settings: Settings) -> 
     async def sampling(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(history.run(), name="status-history")
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
 
     app.cleanup_ctx.append(sampling)
     app.router.add_get("/", page)

@@ -41,6 +41,7 @@ from botocore.exceptions import ClientError
 from server.coordination.lease import Lease, LeaseState
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Registry
+from server.runtime.tasks import cancel_all_and_wait, cancel_and_wait
 from server.store.base import Fenced, ShardCheckpoint, Store, StreamReaderState
 
 log = logging.getLogger(__name__)
@@ -261,11 +262,7 @@ class TableStreamReader:
         self._lead_task = asyncio.create_task(self._lead(), name="stream-lease")
 
     async def stop(self) -> None:
-        for task in (self._lead_task, self._reader):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_all_and_wait((self._lead_task, self._reader))
         self._lead_task = self._reader = None
         self.reading = False
         with contextlib.suppress(Exception):
@@ -301,9 +298,8 @@ class TableStreamReader:
             return
         if reason is not None and not task.done():
             log.info("stream reader: stopping: %s", reason)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        with contextlib.suppress(Exception):
+            await cancel_and_wait(task)
 
     def _check_lease(self) -> None:
         if time.monotonic() >= self._lease.valid_until:
@@ -381,11 +377,8 @@ class TableStreamReader:
         finally:
             self.reading = False
             self.positioned.clear()
-            for task in running.values():
-                task.cancel()
-            for task in running.values():
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            with contextlib.suppress(Exception):
+                await cancel_all_and_wait(running.values())
 
     async def _stream_arn(self) -> str:
         response = await self._tables.describe_table(TableName=self._table)

@@ -22,10 +22,9 @@ State per user: ``True`` online and visible, ``False`` online but invisible
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,6 +35,7 @@ from server.bus.base import Bus
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Registry
+from server.runtime.tasks import cancel_all_and_wait
 from server.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,10 @@ Changes = dict[str, bool | None]
 
 FLUSH_RETRY = Backoff(first=1.0, cap=1.0, jitter=0.8)
 """A failed flush is tried again 0.2 to 1 s later: soon, but not in step with other nodes."""
+AUDIT_INTERVAL = 30.0
+"""How often the writer looks at every user without being hinted. Hints travel
+by pub/sub, which delivers at most once (a subscriber reconnecting to a restarted
+Redis misses what was published meanwhile): a lost hint costs at most this long."""
 
 
 @dataclass
@@ -257,8 +261,13 @@ class PresenceWriter:
         debounce: float,
         *,
         lease_interval: float = 1.0,
+        audit_interval: float = AUDIT_INTERVAL,
         metrics: Registry | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
+        """``clock`` (epoch seconds) and ``sleep`` time the debounce windows; tests
+        pass a virtual clock to count windows rather than measure them."""
         registry = metrics or Registry()
         self._deltas_committed = registry.counter(
             "ap_presence_deltas_total", "Presence deltas committed"
@@ -266,10 +275,17 @@ class PresenceWriter:
         self._failures = registry.counter(
             "ap_presence_writer_failures_total", "Presence flushes that failed and were retried"
         )
+        self._unhinted = registry.counter(
+            "ap_presence_audit_repairs_total",
+            "Users whose change only the writer's periodic audit found (their hint was lost)",
+        )
         self._backend = backend
         self._store = store
         self._debounce = debounce
         self._lease_interval = lease_interval
+        self._audit_interval = audit_interval
+        self._audit_at: float | None = None  # clock time of the next audit, while leading
+        self._auditing = False  # the pending full look is an audit
         self._dirty: set[str] = set()
         self._wakeup = asyncio.Event()
         self._committed: CommittedPresence | None = None  # set while leading
@@ -278,6 +294,8 @@ class PresenceWriter:
         self._reserved = 0  # highest seq known to be taken from wsMeta
         self._hinted: dict[str, float] = {}  # user -> when the latest hint about them came
         self._tasks: list[asyncio.Task[None]] = []
+        self._clock = clock
+        self._sleep = sleep
 
     @property
     def leading(self) -> bool:
@@ -290,11 +308,7 @@ class PresenceWriter:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all_and_wait(self._tasks)
         self._tasks = []
 
     def hint(self, user_ids: Iterable[str], changed_at: float | None = None) -> None:
@@ -305,7 +319,7 @@ class PresenceWriter:
         """
         if self._committed is None:
             return
-        now = time.time()
+        now = self._clock()
         if self._window_opened is None:
             # Clocks of other nodes may be off: trust ``changed_at`` only within a window.
             opened = now if changed_at is None else changed_at
@@ -339,9 +353,15 @@ class PresenceWriter:
                     self._committed = committed
                     log.info("presence writer: leading from seq %d", committed.seq)
                     self.reconcile()
+                    self._audit_at = self._clock() + self._audit_interval
             elif not leading and self._committed is not None:
                 log.info("presence writer: no longer leading")
                 self._committed = None
+            audit_due = self._audit_at is not None and self._clock() >= self._audit_at
+            if self._committed is not None and audit_due:
+                self._audit_at = self._clock() + self._audit_interval
+                self._auditing = True
+                self.reconcile()
             await asyncio.sleep(self._lease_interval)
 
     async def _flush_loop(self) -> None:
@@ -349,12 +369,12 @@ class PresenceWriter:
             await self._wakeup.wait()
             # Debounce: gather every change of the window into one delta, so a
             # connect and disconnect inside it cancel out.
-            opened = time.time() if self._window_opened is None else self._window_opened
+            opened = self._clock() if self._window_opened is None else self._window_opened
             # Take the window's seq from wsMeta while it is open, so that round
             # trip is not between the window's end and the clients.
             reserving = asyncio.create_task(self._reserve_next_seq())
             try:
-                await asyncio.sleep(max(0.0, opened + self._debounce - time.time()))
+                await self._sleep(max(0.0, opened + self._debounce - self._clock()))
                 await reserving
             except Exception as exc:
                 log.info("presence seq reservation failed; the flush retries it: %s", exc)
@@ -383,6 +403,7 @@ class PresenceWriter:
             self._hinted.clear()
             return
         full, self._full = self._full, False
+        auditing, self._auditing = self._auditing and full, False
         users: Collection[str] | None
         if full:
             users = None
@@ -392,6 +413,8 @@ class PresenceWriter:
             live = await self._backend.online(users)
             targets: Iterable[str] = set(live) | set(committed.users) if users is None else users
             changes = diff(committed.users, live, targets)
+            if auditing:
+                self._count_unhinted(changes)
             self._hold_recent_leaves(changes, targets)
             if not changes:
                 return
@@ -417,6 +440,16 @@ class PresenceWriter:
         committed.seq = delta.seq
         self._deltas_committed.inc()
 
+    def _count_unhinted(self, changes: Changes) -> None:
+        unhinted = [user for user in changes if user not in self._hinted]
+        if unhinted:
+            self._unhinted.inc(len(unhinted))
+            log.warning(
+                "presence audit: %d users changed with no hint heard (lost on the bus?): %s",
+                len(unhinted),
+                ", ".join(sorted(unhinted)[:10]),
+            )
+
     def _hold_recent_leaves(self, changes: Changes, looked_at: Iterable[str]) -> None:
         """Take out of ``changes`` the users gone offline less than a window ago.
 
@@ -425,7 +458,7 @@ class PresenceWriter:
         is offline only after a whole window without coming back; until then
         they stay dirty, and the next window looks at them again.
         """
-        now = time.time()
+        now = self._clock()
         held = 0.0
         for user_id, new in list(changes.items()):
             hinted = self._hinted.get(user_id)

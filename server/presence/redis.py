@@ -43,6 +43,7 @@ from server.redis.keys import PRESENCE_NAMESPACE, channel_for
 from server.redis.scripts import ShardScript, for_bus
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Registry
+from server.runtime.tasks import cancel_all_and_wait
 from server.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -206,11 +207,7 @@ class RedisPresenceBackend:
     async def close(self) -> None:
         """Leave the cluster: give up the lease and withdraw this node's users at once."""
         joined = self._task is not None
-        for task in (self._task, self._purge_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_all_and_wait((self._task, self._purge_task))
         if joined:  # else start-up failed or was cancelled: there is nothing to leave
             try:
                 async with asyncio.timeout(3):

@@ -59,6 +59,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from server.runtime.backoff import Backoff, Retrying
 from server.runtime.metrics import Registry
+from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -191,9 +192,8 @@ class _Pipe:
                 future.set_exception(exc)
 
     async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(BaseException):
-            await self._task
+        with contextlib.suppress(Exception):
+            await cancel_and_wait(self._task)
 
 
 class ShardPipes:

@@ -17,7 +17,6 @@ would turn a slow recovery into ``recovered: false``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -27,7 +26,9 @@ from protocol.envelope import EnvelopeError, decode_envelope
 from protocol.messages import Broadcast
 from protocol.streams import HistoryRead
 from server.bus.streams import HistoryAsk, Streams
+from server.runtime.backoff import Backoff
 from server.runtime.metrics import Registry
+from server.runtime.tasks import cancel_all_and_wait
 
 READ_BATCH = 256
 """Most streams in one round trip: at the default history size (50) a full batch
@@ -41,6 +42,9 @@ again and again, and an event's bytes at one position never change."""
 PATIENCE_S = 30.0
 """How long a recovery or a repair tries its history read again while Redis is
 away: past a restart or a failover (seconds), short of leaving a tab waiting."""
+PATIENT_BACKOFF = Backoff(first=0.05, cap=1.0)
+"""Between those tries: jittered, so the nodes of a restarted Redis do not all
+read again in step."""
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +80,23 @@ class HistoryReads:
 
     async def read(self, stream: str, after: int) -> DecodedRead:
         """The stream's history after ``after``, decoded, read after this call."""
-        ask = (stream, after)
+        # Shielded: one asker going away must not cancel the read for the others.
+        return await asyncio.shield(self._ask((stream, after)))
+
+    async def read_each(self, asks: Sequence[HistoryAsk]) -> list[DecodedRead | BaseException]:
+        """``read`` for every ask, their errors in their places (a cancelled read
+        is a ``CancelledError``): what ``gather(..., return_exceptions=True)``
+        of ``read`` answers, for one waiter instead of a task and a shield per
+        stream (a recovering client asks for all of its streams at once)."""
+        futures = [self._ask(ask) for ask in asks]
+        pending = [future for future in futures if not future.done()]
+        if pending:
+            # One waiter; cancelled, it leaves the shared reads running for the others.
+            await asyncio.wait(pending)
+        return [_outcome(future) for future in futures]
+
+    def _ask(self, ask: HistoryAsk) -> asyncio.Future[DecodedRead]:
+        """The future of ``ask``'s read in the next batch (shared by its asks)."""
         future = self._queued.get(ask)
         if future is None:
             future = self._queued[ask] = asyncio.get_running_loop().create_future()
@@ -85,8 +105,7 @@ class HistoryReads:
                 # At the end of this loop turn: asks of the same turn share the batch.
                 self._scheduled = True
                 asyncio.get_running_loop().call_soon(self._send)
-        # Shielded: one asker going away must not cancel the read for the others.
-        return await asyncio.shield(future)
+        return future
 
     async def read_patiently(
         self, stream: str, after: int, within: float = PATIENCE_S
@@ -94,18 +113,15 @@ class HistoryReads:
         """``read``, tried again while Redis is away (a restart, a failover, a
         blackhole) for up to ``within`` seconds: an answer built without the
         history could only guess the stream's epoch and top. None if it never came."""
-        deadline = time.monotonic() + within
-        delay = 0.05
+        retrying = PATIENT_BACKOFF.start(deadline=time.monotonic() + within)
         while True:
             try:
                 return await self.read(stream, after)
             except Exception as exc:
-                if time.monotonic() + delay > deadline:
+                if not await retrying.wait():
                     log.warning("history of %s unreadable for %gs: %s", stream, within, exc)
                     return None
                 self._patient_retries.inc()
-            await asyncio.sleep(delay)
-            delay = min(1.0, delay * 2)
 
     @property
     def queued(self) -> int:
@@ -171,18 +187,19 @@ class HistoryReads:
         for future in self._queued.values():
             future.cancel()
         self._queued.clear()
-        batches = list(self._batches)
-        for task in batches:
-            task.cancel()
-        for task in batches:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all_and_wait(list(self._batches))
 
 
 def _retrieve(future: asyncio.Future[DecodedRead]) -> None:
     """Every asker may have gone: the error is not worth a "never retrieved" log."""
     if not future.cancelled():
         future.exception()
+
+
+def _outcome(future: asyncio.Future[DecodedRead]) -> DecodedRead | BaseException:
+    if future.cancelled():
+        return asyncio.CancelledError()
+    return future.exception() or future.result()
 
 
 def _decode_one(data: bytes) -> Broadcast | None:

@@ -10,12 +10,12 @@ same events.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from protocol.codec import Frame
+from protocol.codec import Frame, FrameRun
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Broadcast,
@@ -30,6 +30,7 @@ from protocol.messages import (
 )
 from protocol.streams import (
     HistoryRead,
+    RecoveryAnswer,
     answer_recovery,
     game_stream,
     stream_game,
@@ -47,6 +48,18 @@ REPLAY_FRAME_CACHE = 16384
 """Replayed frames (and ``recovered: true`` answers) kept, least recently used
 out, for other clients recovering the same events: a storm over 1,000 games
 with 10 missed events each replays 10,000 distinct frames (about 1 KB each)."""
+
+REPLAY_RUN_FRAMES = 16384
+"""Frames in the whole replays kept (each a stream's events after one position,
+then ``recovered``), least recently used out: as many as ``REPLAY_FRAME_CACHE``,
+so their joined bytes take about what the cached frames do. A storm over 1,000
+games with 10 missed events each keeps 11,000."""
+
+
+class ReplayRun(NamedTuple):
+    frames: FrameRun
+    excluded: frozenset[str]
+    """Users excluded from one of its events: theirs has a ``skip`` there instead."""
 
 
 Held = Callable[[str, str, int], None]
@@ -76,6 +89,9 @@ class Recovery:
         self._outbox_limit = outbox_limit
         # Replayed frames, shared by every client recovering the same events.
         self._replay_frames: OrderedDict[tuple[str, str, int, str], Frame] = OrderedDict()
+        # Whole replays, shared by every client recovering a stream from the same position.
+        self._replay_runs: OrderedDict[tuple[str, str, int, int], ReplayRun] = OrderedDict()
+        self._run_frames = 0  # frames in the replays kept
 
     async def close(self) -> None:
         await self._subscribes.close()
@@ -112,10 +128,10 @@ class Recovery:
             log.warning("subscribe before recovery failed: %s", exc)
         if not wanted:
             return
-        reads: Sequence[HistoryRead[Broadcast] | BaseException | None] = await asyncio.gather(
-            *(self._history.read(stream, position.offset) for stream, position in wanted),
-            return_exceptions=True,
-        )
+        if not session.open:
+            return self._abandon(session, wanted)  # its client gave up meanwhile
+        reads: Sequence[HistoryRead[Broadcast] | BaseException | None]
+        reads = await self._history.read_each([(s, position.offset) for s, position in wanted])
         if any(isinstance(read, Exception) for read in reads):
             # Redis away (a restart, a failover): an answer now could only guess
             # the epoch and top. The tab's live events keep buffering meanwhile.
@@ -123,15 +139,23 @@ class Recovery:
             for index, (stream, position) in enumerate(wanted):
                 if isinstance(reads[index], Exception):
                     reads[index] = await self._history.read_patiently(stream, position.offset)
+        if not session.open:
+            return self._abandon(session, wanted)
         # Every stream's answer in one write: one system call per client, not per event.
         # Nothing is awaited until it is written, so no live event comes between.
-        out: list[Frame] = []
+        out: list[Frame | FrameRun] = []
         for (stream, position), history in zip(wanted, reads, strict=True):
             buffered = session.recovering.pop(stream, None)
             if buffered is None:
                 continue  # the session stopped watching meanwhile
             self._answer(session, stream, position, history, buffered, out)
         send_frames(session, out, self._outbox_limit)
+
+    @staticmethod
+    def _abandon(session: Session, wanted: Sequence[tuple[str, Position]]) -> None:
+        """Nothing more for a session that closed: its socket cannot take an answer."""
+        for stream, _ in wanted:
+            session.recovering.pop(stream, None)
 
     def _answer(
         self,
@@ -140,7 +164,7 @@ class Recovery:
         since: Position,
         history: HistoryRead[Broadcast] | BaseException | None,
         buffered: list[tuple[str, int, Broadcast]],
-        out: list[Frame],
+        out: list[Frame | FrameRun],
     ) -> None:
         self._recoveries.inc()
         positions = session.positions
@@ -152,8 +176,16 @@ class Recovery:
             answer = answer_recovery(since, history, buffered)
             self._held(stream, answer.epoch, answer.offset)
         epoch, offset = answer.epoch, answer.offset
+        if answer.recovered:
+            # What every client recovering from the same position gets: joined once.
+            run = self._replay_run(stream, since.offset, answer)
+            if session.user_id not in run.excluded:
+                out.append(run.frames)
+                positions[stream] = (epoch, offset)
+                return
+        user_id = session.user_id
         for event_offset, message in answer.replay:
-            self._send_one(session, stream, epoch, event_offset, message, out)
+            out.append(self._event_frame(user_id, stream, epoch, event_offset, message))
         if answer.recovered:
             recovered = Recovered(stream, True, epoch, offset)
             out.append(self._replay_frame((stream, epoch, offset, "recovered"), lambda: recovered))
@@ -162,27 +194,44 @@ class Recovery:
             out.append(Frame(Recovered(stream, False, epoch, offset)))
         positions[stream] = (epoch, offset)
         for event_offset, message in answer.live:
-            self._send_one(session, stream, epoch, event_offset, message, out)
+            out.append(self._event_frame(user_id, stream, epoch, event_offset, message))
+            positions[stream] = (epoch, event_offset)
 
-    def _send_one(
-        self,
-        session: Session,
-        stream: str,
-        epoch: str,
-        offset: int,
-        message: Broadcast,
-        out: list[Frame],
-    ) -> None:
-        assert session.positions is not None
-        session.positions[stream] = (epoch, offset)
-        if session.user_id in message.exclude:
+    def _event_frame(
+        self, user_id: str | None, stream: str, epoch: str, offset: int, message: Broadcast
+    ) -> Frame:
+        """The frame of one replayed or buffered event for ``user_id``: a ``skip``
+        where the event excludes the user, else the event at its position."""
+        if user_id in message.exclude:
             key = (stream, epoch, offset, "skip")
-            out.append(self._replay_frame(key, lambda: Skip(stream, epoch, offset)))
-            return
+            return self._replay_frame(key, lambda: Skip(stream, epoch, offset))
         event = message.event
         assert isinstance(event, GameEvent | UserEvent)
         key = (stream, epoch, offset, "event")
-        out.append(self._replay_frame(key, lambda: Positioned(event, stream, epoch, offset)))
+        return self._replay_frame(key, lambda: Positioned(event, stream, epoch, offset))
+
+    def _replay_run(self, stream: str, after: int, answer: RecoveryAnswer[Broadcast]) -> ReplayRun:
+        """The replay of ``stream`` after ``after`` up to the answer's top, then
+        ``recovered: true``, as sent to a client excluded from none of its events:
+        the events of a stream's epoch up to an offset never change, so the run
+        is the same for every such client recovering from the same position."""
+        key = (stream, answer.epoch, after, answer.offset)
+        runs = self._replay_runs
+        run = runs.get(key)
+        if run is not None:
+            runs.move_to_end(key)
+            return run
+        epoch, top = answer.epoch, answer.offset
+        frames = [self._event_frame(None, stream, epoch, o, m) for o, m in answer.replay]
+        recovered = Recovered(stream, True, epoch, top)
+        frames.append(self._replay_frame((stream, epoch, top, "recovered"), lambda: recovered))
+        excluded = frozenset(user for _, message in answer.replay for user in message.exclude)
+        run = runs[key] = ReplayRun(FrameRun(frames), excluded)
+        self._run_frames += run.frames.count
+        while self._run_frames > REPLAY_RUN_FRAMES and len(runs) > 1:
+            _, oldest = runs.popitem(last=False)
+            self._run_frames -= oldest.frames.count
+        return run
 
     def _replay_frame(
         self, key: tuple[str, str, int, str], build: Callable[[], ServerMessage]

@@ -11,10 +11,10 @@ taken a call that named all of its topics, as if it had called it itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterable
 
 from server.bus.base import Bus
+from server.runtime.tasks import cancel_and_wait
 
 
 class SubscribeBatcher:
@@ -62,9 +62,7 @@ class SubscribeBatcher:
             self._next.cancel()
             self._next = None
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:

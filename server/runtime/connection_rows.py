@@ -1,8 +1,10 @@
 """Write-behind of ``wsConnections`` rows: nothing on a client's path waits on the store.
 
 Operations on one connection coalesce while they wait (a put followed by a
-watch update is still one put), then go out in batches. Routing never reads
-these rows: they are the record for the backend and operators.
+watch update is still one put), then go out in batches, each behind the pacer
+(``server/runtime/pacer.py``) so a connect storm's rows use the CPU fan-out
+leaves over. Routing never reads these rows: they are the record for the
+backend and operators.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from server.runtime.metrics import Registry
+from server.runtime.pacer import Pacer
 from server.runtime.write_behind import CoalescingFlusher
 from server.session import Session
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
 
 UPDATE_CONCURRENCY = 16
+ROWS_PER_WRITE = 25
+"""Puts and deletes per store call: one BatchWriteItem's worth."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +74,11 @@ def merge(older: RowOp, newer: RowOp) -> RowOp:
 
 
 class ConnectionRegistry:
-    def __init__(self, store: Store, metrics: Registry | None = None) -> None:
+    def __init__(
+        self, store: Store, metrics: Registry | None = None, pacer: Pacer | None = None
+    ) -> None:
         registry = metrics or Registry()
+        self._pacer = pacer or Pacer()
         failures = registry.counter(
             "ap_store_write_retries_total",
             "Connection row writes that failed and were queued again",
@@ -127,28 +135,33 @@ class ConnectionRegistry:
         self._flusher.put(connection_id, Delete())
 
     async def _flush(self, batch: dict[str, RowOp]) -> dict[str, RowOp]:
-        puts = [op.record for op in batch.values() if isinstance(op, Put)]
-        deletes = [cid for cid, op in batch.items() if isinstance(op, Delete)]
+        """Puts and deletes in BatchWriteItem-sized chunks, updates in groups of
+        ``UPDATE_CONCURRENCY``; each chunk and group waits its turn (``Pacer``)."""
         failed: dict[str, RowOp] = {}
-        if puts or deletes:
+        rows = [(cid, op) for cid, op in batch.items() if isinstance(op, Put | Delete)]
+        for start in range(0, len(rows), ROWS_PER_WRITE):
+            chunk = rows[start : start + ROWS_PER_WRITE]
+            await self._pacer.turn()
             try:
-                await self._store.write_connections(puts, deletes)
-            except Exception:
-                failed.update(
-                    (cid, op) for cid, op in batch.items() if isinstance(op, Put | Delete)
+                await self._store.write_connections(
+                    [op.record for _, op in chunk if isinstance(op, Put)],
+                    [cid for cid, op in chunk if isinstance(op, Delete)],
                 )
+            except Exception:
+                failed.update(chunk)
         updates = [(cid, op) for cid, op in batch.items() if isinstance(op, Watch | Ttl)]
-        gate = asyncio.Semaphore(UPDATE_CONCURRENCY)
 
         async def update(cid: str, op: Watch | Ttl) -> None:
-            async with gate:
-                try:
-                    if isinstance(op, Watch):
-                        await self._store.update_watch(cid, op.games, op.watch_version, op.ttl)
-                    else:
-                        await self._store.refresh_ttl(cid, op.ttl)
-                except Exception:
-                    failed[cid] = op
+            try:
+                if isinstance(op, Watch):
+                    await self._store.update_watch(cid, op.games, op.watch_version, op.ttl)
+                else:
+                    await self._store.refresh_ttl(cid, op.ttl)
+            except Exception:
+                failed[cid] = op
 
-        await asyncio.gather(*(update(cid, op) for cid, op in updates))
+        for start in range(0, len(updates), UPDATE_CONCURRENCY):
+            await self._pacer.turn()
+            group = updates[start : start + UPDATE_CONCURRENCY]
+            await asyncio.gather(*(update(cid, op) for cid, op in group))
         return failed

@@ -16,6 +16,7 @@ from typing import Generic, Protocol, TypeVar
 
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Counter
+from server.runtime.tasks import cancel_and_wait
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -46,15 +47,18 @@ class CoalescingFlusher(Generic[K, V]):
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
 
     def start(self) -> None:
+        self._closing = False
         self._task = asyncio.create_task(self._run(), name=f"flusher:{self._name}")
 
     async def close(self) -> None:
+        # The flag as well as the cancellation: a write that drops its cancellation
+        # (see cancel_and_wait) would otherwise go on to the next batch, and the next.
+        self._closing = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     def put(self, key: K, value: V) -> None:
@@ -74,10 +78,10 @@ class CoalescingFlusher(Generic[K, V]):
 
     async def _run(self) -> None:
         retrying = Backoff(first=0.1, cap=self._max_backoff).start()
-        while True:
+        while not self._closing:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._pending:
+            while self._pending and not self._closing:
                 batch, self._pending = self._pending, {}
                 try:
                     failed = await self._flush(batch)

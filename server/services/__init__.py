@@ -5,10 +5,13 @@ A service gets what it needs of the hub as callables (``publish``, ``watch``), n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from protocol.messages import Broadcast, GameKey, Position, Since
+from server.bus.streams import Fence
+from server.coordination.bot_sessions import BotSessions
 from server.coordination.claims import Claims
 from server.coordination.game_lock import GameLocks
 from server.coordination.rate_limit import RateLimiter
@@ -27,7 +30,13 @@ class Publish(Protocol):
     """The hub's one door for events (``Node.publish``): the positions taken, per stream."""
 
     async def __call__(
-        self, message: Broadcast, *, require_cluster: bool = False, event_id: str | None = None
+        self,
+        message: Broadcast,
+        *,
+        require_cluster: bool = False,
+        event_id: str | None = None,
+        then: Sequence[tuple[Broadcast, str]] = (),
+        fence: Fence | None = None,
     ) -> dict[str, Position]: ...
 
 
@@ -48,3 +57,4 @@ class Coordination:
     game_locks: GameLocks
     chat_limiter: RateLimiter
     last_seen_claims: Claims
+    bot_sessions: BotSessions

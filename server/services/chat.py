@@ -6,25 +6,37 @@ The path of one ``chat`` action (``docs/protocol.md``, "Chat"):
 2. authorization as today: the active ``GAME`` row's players (read with a
    projection), or a site admin (``USER.admin``); completed and unknown games
    are refused;
-3. under the game's lock (:mod:`server.coordination.game_lock`): one conditional
-   append to ``GAMECOMMENTS`` (cap and idempotency enforced by DynamoDB), the
-   ``chatAck``, then the ``chat`` event and the ``game`` hint published, so the
-   stored order and the order of the game's events are the same;
+3. the game's group commit (:mod:`server.runtime.group_commit`): comments queued
+   on the game while a batch is being written go together in the next one, taken
+   once the writer holds the lock (what queued while it waited goes in too).
+   Under the game's lock (:mod:`server.coordination.game_lock`), a batch is one
+   conditional append to ``GAMECOMMENTS`` (cap and idempotency enforced by
+   DynamoDB, one answer per comment), the ``chatAck`` of each, then each one's
+   ``chat`` event and ``game`` hint, all in one append, so the stored order and
+   the order of the game's events are the same; on Redis that append also
+   releases the lock. Three Redis round trips a comment at most (the rate, and
+   the batch's lock and append), and one DynamoDB write a batch: a busy game
+   waits for one write in flight, not for a queue of them;
 4. dashboard marks, queued for write-behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from protocol.codec import Frame
 from protocol.errors import ErrorCode
-from protocol.messages import Chat, ChatAck
+from protocol.messages import Broadcast, Chat, ChatAck
 from protocol.parse import parse_broadcast
+from server.bus.streams import Fence
 from server.coordination.game_lock import GameLocks, LockUnavailable
 from server.coordination.rate_limit import RateLimiter
+from server.runtime.group_commit import GroupClosed, GroupCommit, Turn
 from server.runtime.metrics import Registry
 from server.services import Publish
 from server.services.chat_marks import ChatMarks
@@ -36,6 +48,13 @@ log = logging.getLogger(__name__)
 
 RATE_WINDOW_SECONDS = 10.0
 
+MAX_BATCH = 50
+"""Most comments of one game written under one hold of its lock."""
+
+CLOSE_GRACE_SECONDS = 5.0
+"""On shutdown, how long the comments already queued have to be written (and acked)
+before they are refused as ``unavailable``."""
+
 
 class _ChatCounters:
     def __init__(self, registry: Registry) -> None:
@@ -46,6 +65,19 @@ class _ChatCounters:
         self.duplicate = registry.counter(
             "ap_chat_duplicates_total", "Chat actions whose clientMsgId was already stored"
         )
+        # Where a batch's time goes: divided by the batches, each step's mean.
+        self.batches = registry.counter(
+            "ap_chat_batches_total", "Batches of a game's comments written under one lock hold"
+        )
+        self.lock_wait = registry.counter(
+            "ap_chat_batch_lock_wait_seconds_total", "Time batches waited for their game's lock"
+        )
+        self.store_write = registry.counter(
+            "ap_chat_batch_store_seconds_total", "Time batches spent appending to GAMECOMMENTS"
+        )
+        self.announce = registry.counter(
+            "ap_chat_batch_publish_seconds_total", "Time batches spent appending their events"
+        )
 
 
 class ChatRefused(Exception):
@@ -53,6 +85,14 @@ class ChatRefused(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class _Post:
+    session: Session
+    user_id: str
+    action: Chat
+    players: asyncio.Task[tuple[str, ...]]  # its authorization: the game's players
 
 
 class ChatService:
@@ -75,57 +115,134 @@ class ChatService:
         self._marks = marks
         self._outbox_limit = outbox_limit
         self._last_ms = 0
+        self._commits: GroupCommit[str, _Post, StoredComment | None] = GroupCommit(
+            "chat-commit", self._write, max_batch=MAX_BATCH
+        )
 
     async def close(self) -> None:
+        await self._commits.close(grace=CLOSE_GRACE_SECONDS)
         await self._locks.close()
         await self._limiter.close()
 
     async def post(self, session: Session, action: Chat) -> None:
-        """Handle one ``chat`` action; the author gets a ``chatAck`` or an error frame."""
+        """Handle one ``chat`` action up to its place in the game's queue; the author
+        gets a ``chatAck`` or an error frame when its batch is written. Returns once
+        queued, so the connection's next comment can join the same batch, and the
+        connection's comments are queued in the order it sent them."""
         user_id = session.user_id
         assert user_id is not None
-        try:
-            await self._post(session, user_id, action)
-        except ChatRefused as refused:
-            self._counters.refused.inc()
-            session.send_error(
-                refused.code, refused.message, self._outbox_limit, action.client_msg_id
-            )
-
-    async def _post(self, session: Session, user_id: str, action: Chat) -> None:
         if not await self._limiter.allow(user_id):
-            raise ChatRefused(
-                ErrorCode.RATE_LIMITED, "too many comments; wait a few seconds and try again"
+            self._refuse(
+                session,
+                action,
+                ChatRefused(
+                    ErrorCode.RATE_LIMITED, "too many comments; wait a few seconds and try again"
+                ),
             )
-        try:
-            players = await self._authorize(user_id, action)
-            async with self._locks.hold(action.key) as held:
-                comment = StoredComment(
-                    comment=action.comment,
-                    user_id=user_id,
-                    move_number=action.move_number,
-                    time_stamp=self._now_ms(),
+            return
+        # Authorized while it waits for its batch: the read is rarely on the comment's path.
+        players = asyncio.create_task(self._authorize(user_id, action), name="chat-authorize")
+        queued = _Post(session, user_id, action, players)
+        written = self._commits.submit(action.key, queued)
+        written.add_done_callback(lambda done: self._written(done, queued))
+
+    def _written(self, done: asyncio.Future[StoredComment | None], post: _Post) -> None:
+        """A comment's batch is written (its ack, if any, has gone with the batch)."""
+        read = post.players
+        if not read.done():  # the batch was refused before it was read
+            read.cancel()
+        elif not read.cancelled():
+            read.exception()  # seen: a refusal it raised is in ``done``, or moot
+        if done.cancelled():
+            return
+        exc = done.exception()
+        action = post.action
+        if isinstance(exc, ChatRefused):
+            self._refuse(post.session, action, exc)
+        elif isinstance(exc, StoreUnavailable | LockUnavailable | GroupClosed):
+            self._refuse(post.session, action, self._unavailable(post.user_id, action, exc))
+        elif exc is not None:
+            log.error("chat on %s by %s failed", action.key, post.user_id, exc_info=exc)
+            self._refuse(post.session, action, self._unavailable(post.user_id, action, exc))
+        else:
+            stored = done.result()
+            if stored is not None:  # None: a duplicate, marked the first time
+                players = post.players.result()
+                self._marks.queue(action.game_id, players, post.user_id, stored.time_stamp)
+
+    def _unavailable(self, user_id: str, action: Chat, exc: BaseException) -> ChatRefused:
+        log.warning("chat on %s by %s failed: %s", action.key, user_id, exc)
+        return ChatRefused(ErrorCode.UNAVAILABLE, "the comment could not be saved; try again")
+
+    def _refuse(self, session: Session, action: Chat, refused: ChatRefused) -> None:
+        self._counters.refused.inc()
+        session.send_error(refused.code, refused.message, self._outbox_limit, action.client_msg_id)
+
+    async def _write(self, key: str, turn: Turn[_Post]) -> list[StoredComment | Exception | None]:
+        """One batch of a game's comments (see the module's docstring, step 3): the
+        stored comment for each, None for a duplicate, or its refusal. The batch is
+        taken once the lock is held: what queued meanwhile, its authorization read,
+        goes in too."""
+        # Not under the lock: the first comment's read (later ones that are still
+        # reading wait for the next batch).
+        await asyncio.wait([turn.first.players])
+        counters = self._counters
+        counters.batches.inc()
+        asked = time.perf_counter()
+        async with self._locks.hold(key) as held:
+            started = time.perf_counter()
+            counters.lock_wait.inc(started - asked)
+            posts = turn.take(ready=lambda post: post.players.done())
+            answers: list[StoredComment | Exception | None] = [None] * len(posts)
+            admitted: list[tuple[int, _Post]] = []
+            for index, post in enumerate(posts):
+                if post.players.cancelled():
+                    answers[index] = GroupClosed("the comment's authorization was cancelled")
+                elif (refused := post.players.exception()) is not None:
+                    answers[index] = (
+                        refused if isinstance(refused, Exception) else GroupClosed(str(refused))
+                    )
+                else:
+                    admitted.append((index, post))
+            if not admitted:
+                return answers
+            game_id = posts[0].action.game_id
+            entries = [
+                (
+                    StoredComment(
+                        comment=post.action.comment,
+                        user_id=post.user_id,
+                        move_number=post.action.move_number,
+                        time_stamp=self._now_ms(),
+                    ),
+                    comment_key(post.user_id, post.action.client_msg_id),
                 )
-                key = comment_key(user_id, action.client_msg_id)
-                outcome = await self._store.append_comment(action.game_id, comment, key)
+                for _, post in admitted
+            ]
+            outcomes = await self._store.append_comments(game_id, entries)
+            written = time.perf_counter()
+            counters.store_write.inc(written - started)
+            new: list[tuple[Chat, StoredComment]] = []
+            for (index, post), (comment, _), outcome in zip(
+                admitted, entries, outcomes, strict=True
+            ):
                 if outcome.status is AppendStatus.FULL:
-                    raise ChatRefused(
+                    answers[index] = ChatRefused(
                         ErrorCode.COMMENTS_FULL,
                         "this game's comments are full; no more can be added",
                     )
-                self._ack(session, action, outcome.time_stamp)
+                    continue
+                self._ack(post.session, post.action, outcome.time_stamp)
                 if outcome.status is AppendStatus.DUPLICATE:
                     self._counters.duplicate.inc()
-                    return  # stored and announced the first time
+                    continue  # None: stored and announced the first time
                 self._counters.stored.inc()
-                await held.confirm()
-                await self._announce(action, comment)
-        except (StoreUnavailable, LockUnavailable) as exc:
-            log.warning("chat on %s by %s failed: %s", action.key, user_id, exc)
-            raise ChatRefused(
-                ErrorCode.UNAVAILABLE, "the comment could not be saved; try again"
-            ) from exc
-        self._marks.queue(action.game_id, players, user_id, comment.time_stamp)
+                new.append((post.action, comment))
+                answers[index] = comment
+            if new:
+                await self._announce(new, held.fence())
+                counters.announce.inc(time.perf_counter() - written)
+        return answers
 
     async def _authorize(self, user_id: str, action: Chat) -> tuple[str, ...]:
         access = await self._store.get_game_access(action.meta, action.game_id)
@@ -145,24 +262,30 @@ class ChatService:
     def _ack(self, session: Session, action: Chat, time_stamp: int) -> None:
         session.send(Frame(ChatAck(action.client_msg_id, time_stamp)), self._outbox_limit)
 
-    async def _announce(self, action: Chat, comment: StoredComment) -> None:
-        """The ``chat`` event (everyone, the author's other tabs too), then today's
-        ``game`` hint without the author, on which the browser refetches."""
-        ref = {"meta": action.meta, "id": action.game_id}
-        chat = {
-            "verb": "chat",
-            "payload": {**ref, **comment.to_plain(), "clientMsgId": action.client_msg_id},
-        }
-        game = {"verb": "game", "payload": ref, "exclude": [comment.user_id]}
-        # Named by the comment: each is appended once, however often it is sent.
-        name = f"chat:{action.key}:{comment_key(comment.user_id, action.client_msg_id)}"
-        for body in (chat, game):
-            try:
-                await self._publish(
-                    parse_broadcast(json.dumps(body)), event_id=f"{name}:{body['verb']}"
-                )
-            except Exception as exc:  # the comment is stored: clients see it on refetch
-                log.warning("could not publish %s for %s: %s", body["verb"], action.key, exc)
+    async def _announce(
+        self, comments: Sequence[tuple[Chat, StoredComment]], fence: Fence | None
+    ) -> None:
+        """For each comment, in stored order: the ``chat`` event (everyone, the author's
+        other tabs too), then today's ``game`` hint without the author, on which the
+        browser refetches. All in one append, the last under the game lock's
+        ``fence`` (which releases the lock in the same round trip)."""
+        events: list[tuple[Broadcast, str]] = []
+        for action, comment in comments:
+            ref = {"meta": action.meta, "id": action.game_id}
+            chat = {
+                "verb": "chat",
+                "payload": {**ref, **comment.to_plain(), "clientMsgId": action.client_msg_id},
+            }
+            game = {"verb": "game", "payload": ref, "exclude": [comment.user_id]}
+            # Named by the comment: each is appended once, however often it is sent.
+            name = f"chat:{action.key}:{comment_key(comment.user_id, action.client_msg_id)}"
+            events.append((parse_broadcast(json.dumps(chat)), f"{name}:chat"))
+            events.append((parse_broadcast(json.dumps(game)), f"{name}:game"))
+        (first, first_id), *rest = events
+        try:
+            await self._publish(first, event_id=first_id, then=rest, fence=fence)
+        except Exception as exc:  # the comments are stored: clients see them on refetch
+            log.warning("could not publish chat for %s: %s", comments[0][0].key, exc)
 
     def _now_ms(self) -> int:
         # Never backwards on this node, so one node's comments keep their order by time.

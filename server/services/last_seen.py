@@ -6,22 +6,27 @@ active players for gone. Nothing waits for it: ``seen`` only queues. Writes are
 at most one per user per 15 minutes across the cluster: this node skips users it
 queued recently, a cluster-wide claim (Redis ``SET NX PX``) picks one node, and
 the conditional update itself refuses a write that is not needed.
+
+A connect storm queues thousands at once: they go in chunks of ``BATCH`` (one
+pipelined claim round trip, one store request each), and each chunk waits
+for a quiet loop (``Pacer``) so the writes use the CPU fan-out leaves over.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
 from server.coordination.claims import Claims
 from server.runtime.metrics import Registry
+from server.runtime.pacer import Pacer
 from server.runtime.write_behind import CoalescingFlusher
 from server.store.base import Store
 from server.store.records import LAST_SEEN_INTERVAL_MS
 
 INTERVAL_SECONDS = LAST_SEEN_INTERVAL_MS / 1000
-CONCURRENCY = 8
+BATCH = 25
+"""Users per claim round trip and per store request (``touch_last_seen_many``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +40,21 @@ def _merge(older: Touch, newer: Touch) -> Touch:
 
 
 class LastSeen:
-    def __init__(self, store: Store, claims: Claims, metrics: Registry | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        claims: Claims,
+        metrics: Registry | None = None,
+        pacer: Pacer | None = None,
+    ) -> None:
         registry = metrics or Registry()
         self._writes = registry.counter(
             "ap_last_seen_writes_total", "Conditional USERS.lastSeen updates sent"
         )
+        self._requests = registry.counter(
+            "ap_last_seen_requests_total", "Store requests carrying USERS.lastSeen updates"
+        )
+        self._pacer = pacer or Pacer()
         retries = registry.counter(
             "ap_last_seen_retries_total", "USERS.lastSeen updates that failed and were queued again"
         )
@@ -72,20 +87,35 @@ class LastSeen:
         self._flusher.put(user_id, Touch(time.time_ns() // 1_000_000))
 
     async def _flush(self, batch: dict[str, Touch]) -> dict[str, Touch]:
+        """In chunks of ``BATCH``, each behind the pacer: one pipelined claim round
+        trip, then one store request for the users this node won."""
         failed: dict[str, Touch] = {}
-        gate = asyncio.Semaphore(CONCURRENCY)
-
-        async def touch(user_id: str, job: Touch) -> None:
-            async with gate:
-                try:
-                    if not job.claimed:
-                        if not await self._claims.claim(user_id, INTERVAL_SECONDS):
-                            return  # another node (or an earlier run) wrote it lately
-                        job = Touch(job.at_ms, claimed=True)
-                    self._writes.inc()
-                    await self._store.touch_last_seen(user_id, job.at_ms)
-                except Exception:
-                    failed[user_id] = job
-
-        await asyncio.gather(*(touch(user, job) for user, job in batch.items()))
+        pending = list(batch.items())
+        for start in range(0, len(pending), BATCH):
+            chunk = dict(pending[start : start + BATCH])
+            await self._pacer.turn()
+            try:
+                unclaimed = [user for user, job in chunk.items() if not job.claimed]
+                # a name not won: another node (or an earlier run) wrote it lately
+                won = (
+                    await self._claims.claim_many(unclaimed, INTERVAL_SECONDS)
+                    if unclaimed
+                    else set()
+                )
+                jobs = {
+                    user: Touch(job.at_ms, claimed=True)
+                    for user, job in chunk.items()
+                    if job.claimed or user in won
+                }
+            except Exception:
+                failed.update(chunk)
+                continue
+            if not jobs:
+                continue
+            self._writes.inc(len(jobs))
+            self._requests.inc()
+            try:
+                await self._store.touch_last_seen_many({u: job.at_ms for u, job in jobs.items()})
+            except Exception:
+                failed.update(jobs)
         return failed

@@ -8,7 +8,7 @@ keys and attributes of Abstract Play's single table (``docs/access-patterns.md``
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,6 +85,21 @@ class CurrentGame:
     meta: str
     player_ids: tuple[str, ...]
     to_move: ToMove
+
+
+@dataclass(frozen=True, slots=True)
+class BotCandidate:
+    """One ``pk=BOTTURNS#<botId>`` row: a game that may wait for the bot's move."""
+
+    game_id: str
+    meta: str
+    added_at_ms: int
+    """When a ``move`` message last named the game; a prune is conditional on it."""
+
+
+BOT_CANDIDATE_TTL_SECONDS = 30 * 86_400
+"""A candidate no subscribe ever looked at (a webhook-only bot) goes after 30 days;
+every ``move`` message for the game pushes it forward."""
 
 
 def ttl_from_now(now: float | None = None) -> int:
@@ -176,6 +191,12 @@ class Store(Protocol):
         with the item unchanged, when Σ(110 + UTF-8 bytes) would reach the cap.
         """
 
+    async def append_comments(
+        self, game_id: str, entries: Sequence[tuple[StoredComment, str]]
+    ) -> list[AppendOutcome]:
+        """``append_comment`` for each ``(comment, key)`` in order, one outcome each, as
+        few writes as the store allows (a group commit's batch: usually one)."""
+
     async def game_watchers(self, game_id: str) -> list[str]:
         """User ids under ``GAMEWATCHERS#<gameId>``."""
 
@@ -195,9 +216,28 @@ class Store(Protocol):
         """Set ``USERS/<userId>.lastSeen = now`` if it is missing or older than 15
         minutes and the row exists; True when written."""
 
+    async def touch_last_seen_many(self, touches: Mapping[str, int]) -> set[str]:
+        """``touch_last_seen`` for each user id → now_ms, in as few requests as the
+        store allows; the user ids written. Raises StoreUnavailable when the
+        outcome of some is unknown (the caller retries them: they are idempotent)."""
+
     async def get_bot(self, client_id: str) -> BotRecord | None:
         """The ``BOT`` row of this app client id, or None when there is none."""
 
     async def current_games(self, user_id: str) -> list[CurrentGame]:
         """Every ``CURRENTGAMES#<userId>`` row (all pages); rows without a game id
         or metaGame are skipped."""
+
+    async def add_bot_candidate(self, bot_id: str, meta: str, game_id: str, now_ms: int) -> None:
+        """Put ``BOTTURNS#<botId>/<gameId>`` (idempotent: a re-send only moves ``addedAt``)."""
+
+    async def bot_candidates(self, bot_id: str) -> list[BotCandidate]:
+        """Every ``BOTTURNS#<botId>`` row (all pages)."""
+
+    async def drop_bot_candidate(self, bot_id: str, game_id: str, added_at_ms: int) -> bool:
+        """Delete the candidate unless a message re-added it since (``addedAt`` moved)."""
+
+    async def active_games(self, keys: Sequence[tuple[str, str]]) -> dict[str, CurrentGame]:
+        """The active ``GAME`` rows (``<meta>#0#<id>``) of these (meta, game id) pairs,
+        by game id, projecting ``id``, ``metaGame``, ``players`` and ``toMove``; a
+        game without an active row (over, or not written yet) is absent."""

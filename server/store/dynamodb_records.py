@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from botocore.exceptions import ClientError
@@ -17,8 +17,13 @@ from botocore.exceptions import ClientError
 from protocol.chat import COMMENTS_CAP_BYTES, comment_weight
 from server.runtime.backoff import Backoff
 from server.store import records as r
-from server.store.base import StoreUnavailable
-from server.store.keys import Item, number, parse_int
+from server.store.base import (
+    BOT_CANDIDATE_TTL_SECONDS,
+    BotCandidate,
+    CurrentGame,
+    StoreUnavailable,
+)
+from server.store.keys import Item, current_game_from_item, number, parse_int
 from server.store.records import AppendOutcome, AppendStatus, GameAccess, GameStatus, StoredComment
 
 log = logging.getLogger(__name__)
@@ -28,6 +33,10 @@ _CCF = frozenset({CONDITIONAL_CHECK_FAILED})
 
 APPEND_ROUNDS = 8
 """Conditional attempts of one append; each lost race means another writer made progress."""
+
+APPEND_BATCH_MAX = 40
+"""Comments in one UpdateItem: each adds about 50 characters to the update and the
+condition expressions, which DynamoDB caps at 4 KB each."""
 
 MARK_CONCURRENCY = 8
 
@@ -146,6 +155,51 @@ class GameRecordsMixin:
             f"{APPEND_ROUNDS} races in a row"
         )
 
+    async def append_comments(
+        self, game_id: str, entries: Sequence[tuple[StoredComment, str]]
+    ) -> list[AppendOutcome]:
+        outcomes: list[AppendOutcome] = []
+        for start in range(0, len(entries), APPEND_BATCH_MAX):
+            chunk = entries[start : start + APPEND_BATCH_MAX]
+            distinct = len({key for _, key in chunk}) == len(chunk)
+            if len(chunk) > 1 and distinct and await self._append_counted_many(game_id, chunk):
+                outcomes += [AppendOutcome(AppendStatus.STORED, c.time_stamp) for c, _ in chunk]
+                continue
+            # One comment, a key twice, or a condition failed (the first comment, a
+            # duplicate, the cap, an item without its counter): one at a time, each
+            # with its own answer, exactly as if they had come one by one.
+            for comment, key in chunk:
+                outcomes.append(await self.append_comment(game_id, comment, key))
+        return outcomes
+
+    async def _append_counted_many(
+        self, game_id: str, entries: Sequence[tuple[StoredComment, str]]
+    ) -> bool:
+        """All of ``entries`` in one conditional UpdateItem, when the item has its
+        counter, none of the keys is stored and all of them fit under the cap."""
+        names = {"#c": r.COMMENTS, "#b": r.COMMENT_BYTES, "#ids": r.COMMENT_IDS}
+        values: dict[str, Any] = {
+            ":new": {"L": [_comment_value(comment) for comment, _ in entries]},
+        }
+        sets = ["#c = list_append(#c, :new)"]
+        absent = []
+        weight = 0
+        for index, (comment, key) in enumerate(entries):
+            names[f"#k{index}"] = key
+            values[f":t{index}"] = number(comment.time_stamp)
+            sets.append(f"#ids.#k{index} = :t{index}")
+            absent.append(f"attribute_not_exists(#ids.#k{index})")
+            weight += comment_weight(comment.comment)
+        values[":w"] = number(weight)
+        values[":room"] = number(COMMENTS_CAP_BYTES - weight)
+        return await self._update_ignoring_condition(
+            Key=_key(r.GAMECOMMENTS_PK, game_id),
+            UpdateExpression=f"SET {', '.join(sets)} ADD #b :w",
+            ConditionExpression=" AND ".join(["#b < :room", *absent]),
+            ExpressionAttributeNames=names,
+            ExpressionAttributeValues=values,
+        )
+
     async def _append_counted(
         self, game_id: str, comment: StoredComment, key: str, weight: int
     ) -> bool:
@@ -248,8 +302,16 @@ class GameRecordsMixin:
             params["ExclusiveStartKey"] = last_key
 
     async def _existing_keys(self, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
-        """Which of these rows exist: BatchGetItem projecting the keys, 100 per request."""
-        found: set[tuple[str, str]] = set()
+        """Which of these rows exist."""
+        return set(await self._batch_get(keys, ()))
+
+    async def _batch_get(
+        self, keys: list[tuple[str, str]], names: Sequence[str]
+    ) -> dict[tuple[str, str], Item]:
+        """These rows (those that exist), projecting the keys and ``names``: BatchGetItem,
+        100 keys per request, consistent."""
+        found: dict[tuple[str, str], Item] = {}
+        aliases = {"#pk": "pk", "#sk": "sk", **{f"#n{i}": n for i, n in enumerate(names)}}
         for start in range(0, len(keys), 100):
             pending: list[Item] = [_key(pk, sk) for pk, sk in keys[start : start + 100]]
             retrying = UNPROCESSED_KEYS_BACKOFF.start()
@@ -259,14 +321,14 @@ class GameRecordsMixin:
                     RequestItems={
                         self.table: {
                             "Keys": pending,
-                            "ProjectionExpression": "#pk, #sk",
-                            "ExpressionAttributeNames": {"#pk": "pk", "#sk": "sk"},
+                            "ProjectionExpression": ", ".join(aliases),
+                            "ExpressionAttributeNames": aliases,
                             "ConsistentRead": True,
                         }
                     },
                 )
                 for item in response.get("Responses", {}).get(self.table, []):
-                    found.add((item["pk"]["S"], item["sk"]["S"]))
+                    found[(item["pk"]["S"], item["sk"]["S"])] = item
                 pending = response.get("UnprocessedKeys", {}).get(self.table, {}).get("Keys", [])
                 if not pending:
                     break
@@ -335,16 +397,124 @@ class GameRecordsMixin:
 
     # --- lastSeen -------------------------------------------------------------------
 
-    async def touch_last_seen(self, user_id: str, now_ms: int) -> bool:
-        return await self._update_ignoring_condition(
-            Key=_key(r.USERS_PK, user_id),
-            UpdateExpression="SET #ls = :now",
-            ConditionExpression=(
+    def _last_seen_update(self, user_id: str, now_ms: int) -> dict[str, Any]:
+        return {
+            "Key": _key(r.USERS_PK, user_id),
+            "UpdateExpression": "SET #ls = :now",
+            "ConditionExpression": (
                 "attribute_exists(pk) AND (attribute_not_exists(#ls) OR #ls < :stale)"
             ),
-            ExpressionAttributeNames={"#ls": r.LAST_SEEN},
-            ExpressionAttributeValues={
+            "ExpressionAttributeNames": {"#ls": r.LAST_SEEN},
+            "ExpressionAttributeValues": {
                 ":now": number(now_ms),
                 ":stale": number(now_ms - r.LAST_SEEN_INTERVAL_MS),
             },
+        }
+
+    async def touch_last_seen(self, user_id: str, now_ms: int) -> bool:
+        return await self._update_ignoring_condition(**self._last_seen_update(user_id, now_ms))
+
+    async def touch_last_seen_many(self, touches: Mapping[str, int]) -> set[str]:
+        """A BatchGetItem per 100 users finds the rows that need a write (missing rows
+        and fresh ``lastSeen`` need none); only those get the conditional UpdateItem,
+        which still decides: a row written meanwhile is left alone.
+
+        DynamoDB has two batched conditional writes, and neither fits: PartiQL's
+        BatchExecuteStatement takes a WHERE that moto does not evaluate (equalities
+        only), and TransactWriteItems is all or nothing at twice the write cost
+        (moto copies the whole table for each of its items).
+        """
+        if not touches:
+            return set()
+        rows = await self._batch_get([(r.USERS_PK, user) for user in touches], (r.LAST_SEEN,))
+        due = []
+        for user, at in touches.items():
+            row = rows.get((r.USERS_PK, user))
+            if row is None:
+                continue
+            last = parse_int(row.get(r.LAST_SEEN))
+            if last is None or last < at - r.LAST_SEEN_INTERVAL_MS:
+                due.append(user)
+        written: set[str] = set()
+        gate = asyncio.Semaphore(MARK_CONCURRENCY)
+
+        async def touch(user: str) -> None:
+            async with gate:
+                if await self.touch_last_seen(user, touches[user]):
+                    written.add(user)
+
+        async with asyncio.TaskGroup() as group:
+            for user in due:
+                group.create_task(touch(user))
+        return written
+
+    # --- a bot's candidate games (BOTTURNS#) -------------------------------------------
+
+    async def add_bot_candidate(self, bot_id: str, meta: str, game_id: str, now_ms: int) -> None:
+        # An upsert: a re-sent message (ping_bot, a redelivery) only moves addedAt.
+        await self._call(
+            "update_item",
+            TableName=self.table,
+            Key=_key(r.BOTTURNS_PREFIX + bot_id, game_id),
+            UpdateExpression="SET #meta = :meta, #at = :at, #ttl = :ttl",
+            ExpressionAttributeNames={"#meta": r.META_GAME, "#at": r.ADDED_AT, "#ttl": r.TTL},
+            ExpressionAttributeValues={
+                ":meta": {"S": meta},
+                ":at": number(now_ms),
+                ":ttl": number(now_ms // 1000 + BOT_CANDIDATE_TTL_SECONDS),
+            },
         )
+
+    async def bot_candidates(self, bot_id: str) -> list[BotCandidate]:
+        params: dict[str, Any] = {
+            "TableName": self.table,
+            "KeyConditionExpression": "#pk = :pk",
+            "ProjectionExpression": "#sk, #meta, #at",
+            "ExpressionAttributeNames": {
+                "#pk": "pk",
+                "#sk": "sk",
+                "#meta": r.META_GAME,
+                "#at": r.ADDED_AT,
+            },
+            "ExpressionAttributeValues": {":pk": {"S": r.BOTTURNS_PREFIX + bot_id}},
+            "ConsistentRead": True,
+        }
+        found: list[BotCandidate] = []
+        while True:
+            response = await self._call("query", **params)
+            for item in response.get("Items", []):
+                meta = item.get(r.META_GAME, {}).get("S", "")
+                if meta:
+                    added = parse_int(item.get(r.ADDED_AT)) or 0
+                    found.append(BotCandidate(item["sk"]["S"], meta, added))
+            last_key = response.get("LastEvaluatedKey")
+            if not last_key:
+                return found
+            params["ExclusiveStartKey"] = last_key
+
+    async def drop_bot_candidate(self, bot_id: str, game_id: str, added_at_ms: int) -> bool:
+        try:
+            await self._call(
+                "delete_item",
+                passthrough=_CCF,
+                TableName=self.table,
+                Key=_key(r.BOTTURNS_PREFIX + bot_id, game_id),
+                ConditionExpression="#at = :at",
+                ExpressionAttributeNames={"#at": r.ADDED_AT},
+                ExpressionAttributeValues={":at": number(added_at_ms)},
+            )
+        except ClientError as exc:
+            if not _is_ccf(exc):
+                raise
+            return False
+        return True
+
+    async def active_games(self, keys: Sequence[tuple[str, str]]) -> dict[str, CurrentGame]:
+        wanted = [(r.GAME_PK, r.game_sk(meta, game_id, completed=False)) for meta, game_id in keys]
+        rows = await self._batch_get(wanted, ("id", r.META_GAME, r.PLAYERS, "toMove"))
+        games: dict[str, CurrentGame] = {}
+        for item in rows.values():
+            game = current_game_from_item(item)
+            if game is not None:
+                games[game.game_id] = game
+        return games

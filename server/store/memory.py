@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from protocol.chat import COMMENTS_CAP_BYTES, comment_weight
 from server.store import records as r
 from server.store.base import (
+    BOT_CANDIDATE_TTL_SECONDS,
+    BotCandidate,
     BotRecord,
     ConnectionRecord,
     CurrentGame,
@@ -152,6 +154,64 @@ class MemoryStore:
             games.append(CurrentGame(game_id, meta, ids, _to_move(row.get("toMove"))))
         return games
 
+    def _game_from_row(self, row: Row, sk: str) -> CurrentGame | None:
+        game_id, meta = row.get("id") or sk, row.get(r.META_GAME)
+        if not isinstance(game_id, str) or not isinstance(meta, str) or not meta:
+            return None
+        players = row.get(r.PLAYERS)
+        ids = tuple(
+            str(p.get(r.PLAYER_ID, "")) if isinstance(p, dict) else ""
+            for p in (players if isinstance(players, list) else [])
+        )
+        return CurrentGame(game_id, meta, ids, _to_move(row.get("toMove")))
+
+    async def add_bot_candidate(self, bot_id: str, meta: str, game_id: str, now_ms: int) -> None:
+        self._rows[(r.BOTTURNS_PREFIX + bot_id, game_id)] = {
+            r.META_GAME: meta,
+            r.ADDED_AT: now_ms,
+            r.TTL: now_ms // 1000 + BOT_CANDIDATE_TTL_SECONDS,
+        }
+
+    async def bot_candidates(self, bot_id: str) -> list[BotCandidate]:
+        pk = r.BOTTURNS_PREFIX + bot_id
+        return [
+            BotCandidate(sk, str(row[r.META_GAME]), int(row.get(r.ADDED_AT, 0)))
+            for (row_pk, sk), row in sorted(self._rows.items())
+            if row_pk == pk and row.get(r.META_GAME)
+        ]
+
+    async def drop_bot_candidate(self, bot_id: str, game_id: str, added_at_ms: int) -> bool:
+        key = (r.BOTTURNS_PREFIX + bot_id, game_id)
+        row = self._rows.get(key)
+        if row is None or row.get(r.ADDED_AT) != added_at_ms:
+            return False
+        del self._rows[key]
+        return True
+
+    async def active_games(self, keys: Sequence[tuple[str, str]]) -> dict[str, CurrentGame]:
+        games: dict[str, CurrentGame] = {}
+        for meta, game_id in keys:
+            sk = r.game_sk(meta, game_id, completed=False)
+            row = self._rows.get((r.GAME_PK, sk))
+            game = self._game_from_row(row, game_id) if row is not None else None
+            if game is not None:
+                games[game.game_id] = game
+        return games
+
+    def put_game(self, game: CurrentGame, completed: bool = False) -> None:
+        """Seed a ``GAME`` row as the backend writes it (the fields routing reads)."""
+        to_move = list(game.to_move) if isinstance(game.to_move, tuple) else game.to_move
+        self.put_row(
+            r.GAME_PK,
+            r.game_sk(game.meta, game.game_id, completed),
+            {
+                "id": game.game_id,
+                r.META_GAME: game.meta,
+                r.PLAYERS: [{r.PLAYER_ID: p, "name": p, "time": 0} for p in game.player_ids],
+                "toMove": to_move if to_move is not None else "",
+            },
+        )
+
     def put_bot(self, bot: BotRecord) -> None:
         """Seed a ``BOT`` row as the backend's ``create_bot`` writes it."""
         self.put_row(r.BOT_PK, bot.client_id, {"name": bot.name, "owner": bot.owner})
@@ -213,6 +273,11 @@ class MemoryStore:
         self._rows[(r.GAMECOMMENTS_PK, game_id)] = row
         return AppendOutcome(AppendStatus.STORED, comment.time_stamp)
 
+    async def append_comments(
+        self, game_id: str, entries: Sequence[tuple[StoredComment, str]]
+    ) -> list[AppendOutcome]:
+        return [await self.append_comment(game_id, comment, key) for comment, key in entries]
+
     async def game_watchers(self, game_id: str) -> list[str]:
         pk = r.GAMEWATCHERS_PREFIX + game_id
         return sorted(sk for (row_pk, sk) in self._rows if row_pk == pk)
@@ -245,6 +310,9 @@ class MemoryStore:
             return False
         row[r.LAST_SEEN] = now_ms
         return True
+
+    async def touch_last_seen_many(self, touches: Mapping[str, int]) -> set[str]:
+        return {user for user, at in touches.items() if await self.touch_last_seen(user, at)}
 
 
 def _mark(row: Row, at_ms: int, is_author: bool) -> None:

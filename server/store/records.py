@@ -22,6 +22,8 @@ USERGAME_PREFIX = "USERGAME#"
 WATCHED_PREFIX = "WATCHED#"
 GAMEWATCHERS_PREFIX = "GAMEWATCHERS#"
 CURRENTGAMES_PREFIX = "CURRENTGAMES#"
+BOTTURNS_PREFIX = "BOTTURNS#"
+"""New: ``BOTTURNS#<botId>/<gameId>``, the games a ``move`` message named for the bot."""
 
 # Attributes.
 PLAYERS = "players"
@@ -35,6 +37,9 @@ COMMENT_IDS = "commentIds"
 LAST_CHAT = "lastChat"
 SEEN = "seen"
 LAST_SEEN = "lastSeen"
+META_GAME = "metaGame"
+ADDED_AT = "addedAt"
+TTL = "ttl"
 
 # A stored comment's fields.
 COMMENT = "comment"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,7 +12,7 @@ import aiohttp
 import pytest
 
 from server.store.dynamodb import create_table
-from tests.chat_helpers import chat_message, post, replies
+from tests.chat_helpers import chat_message, post, put_game_row, replies
 from tests.client import Client
 from tests.cluster.harness import REGION, SLACK, Cluster, eventually, new_workdir, remove_workdir
 from tests.services import RedisServer
@@ -45,17 +46,6 @@ async def chat_cluster(
         remove_workdir(workdir)
 
 
-def seed_game(raw: Any, table: str, players: list[str]) -> None:
-    raw.put_item(
-        TableName=table,
-        Item={
-            "pk": {"S": "GAME"},
-            "sk": {"S": "chess#0#g1"},
-            "players": {"L": [{"M": {"id": {"S": p}}} for p in players]},
-        },
-    )
-
-
 def stored_comments(raw: Any, table: str) -> list[str]:
     item = raw.get_item(
         TableName=table,
@@ -69,7 +59,8 @@ async def test_concurrent_posts_on_two_nodes_are_stored_once_in_event_order(
     chat_cluster: Cluster, raw: Any
 ) -> None:
     players = [f"p{i:02d}" for i in range(20)]
-    seed_game(raw, chat_cluster.table, players)
+    comments = [f"{p}-{i}" for p in players for i in range(10)]
+    put_game_row(raw, chat_cluster.table, players)
     watchers = [await chat_cluster.client(n, f"w-{n}", games=[GAME]) for n in ("n1", "n2")]
     clients = [
         await chat_cluster.client("n1" if i % 2 == 0 else "n2", player)
@@ -94,11 +85,20 @@ async def test_concurrent_posts_on_two_nodes_are_stored_once_in_event_order(
         def all_seen(watcher: Client = watcher) -> bool:
             return len(watcher.of_verb("chat")) >= 200
 
-        await watcher.wait_for(all_seen, within=30)
+        try:
+            await watcher.wait_for(all_seen, within=30)
+        except TimeoutError as timeout:
+            # Seen once at load 11 (every comment acked, a watcher short): say how short.
+            seen = Counter(m["payload"].get("comment") for m in watcher.of_verb("chat"))
+            missing = sorted(set(comments) - set(seen))
+            raise AssertionError(
+                f"{sum(seen.values())} chat events, {len(seen)} distinct of 200; "
+                f"missing {missing[:20]}"
+            ) from timeout
 
     stored = stored_comments(raw, chat_cluster.table)
     assert len(stored) == 200
-    assert sorted(stored) == sorted(f"{p}-{i}" for p in players for i in range(10))
+    assert sorted(stored) == sorted(comments)
     offsets_by_node = []
     for watcher in watchers:
         events = watcher.of_verb("chat")
@@ -123,7 +123,7 @@ async def test_concurrent_posts_on_two_nodes_are_stored_once_in_event_order(
 async def test_the_chat_rate_is_per_user_across_the_cluster(
     chat_cluster: Cluster, raw: Any
 ) -> None:
-    seed_game(raw, chat_cluster.table, ["alice"])
+    put_game_row(raw, chat_cluster.table, ["alice"])
     on_n1 = await chat_cluster.client("n1", "alice")
     on_n2 = await chat_cluster.client("n2", "alice")
     assert (await post(on_n1, GAME, "a"))["verb"] == "chatAck"

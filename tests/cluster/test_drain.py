@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from websockets.exceptions import InvalidStatus
 
+from server.session import DRAIN_BATCH_SECONDS
 from tests.client import Client
 from tests.cluster.harness import DEBOUNCE_MS, SLACK, Cluster, eventually
 
@@ -175,7 +176,6 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
     assert cluster.nodes[ROLLED].alive
     with pytest.raises((OSError, InvalidStatus)):  # refused: it no longer listens
         await Client.open(cluster.nodes[ROLLED].ws_url, open_timeout=5)
-    assert sum(m.close_code is not None for m in movers) < MOVERS // 2, "closed all at once"
 
     await asyncio.gather(*moving)
     # Generous: on a machine shared by many test runs, the node's loop may get
@@ -193,9 +193,12 @@ async def test_rolling_a_node_moves_its_clients_without_flapping_or_losing_event
 
     # 1012 for every client, in batches spread over the window rather than at once.
     assert {m.close_code for m in movers} == {1012}
+    # Lower bounds, whatever the load: the drain sleeps until each batch's moment
+    # (batch i of n closes in the i-th slice of the window, after SIGTERM).
     closes = sorted(m.closed_at - signalled for m in movers)
-    assert closes[-1] - closes[0] > DRAIN_SECONDS / 2, closes[:3] + closes[-3:]
-    assert closes[len(closes) // 2] > DRAIN_SECONDS / 5
+    batches = min(MOVERS, round(DRAIN_SECONDS / DRAIN_BATCH_SECONDS))
+    assert closes[-1] >= DRAIN_SECONDS * (batches - 1) / batches, closes[-3:]
+    assert closes[len(closes) // 2] > DRAIN_SECONDS / 5, closes[:3]
     assert cluster.nodes[ROLLED].process.returncode == 0
     assert exited - signalled < DRAIN_SECONDS + 90
 

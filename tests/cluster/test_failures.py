@@ -71,8 +71,8 @@ async def test_kill_9_of_a_node_withdraws_its_users_within_the_bound(cluster: Cl
     for observer in observers:
         await wait_visible(observer, expected, DEATH_BOUND + SLACK, "alice's leave")
     elapsed = time.monotonic() - killed_at
+    # A figure, not a verdict: the deadline above is the hang guard.
     print(f"kill -9 of {victim}: leaves seen {elapsed:.2f}s later (bound {DEATH_BOUND:.1f}s)")
-    assert elapsed <= DEATH_BOUND + SLACK
 
     for observer in observers:
         assert all("bob" not in d["leaves"] for d in deltas(observer))
@@ -193,20 +193,23 @@ async def test_redis_restart_mid_test(cluster: Cluster) -> None:
         assert client.presence.gaps == 0
 
 
-async def test_a_clean_stop_withdraws_users_at_once(cluster: Cluster) -> None:
-    observer = await cluster.client("n1", "observer")
-    await cluster.client("n3", "alice")
+CLEAN_STOP_NODE_TIMEOUT_MS = 600_000
+"""Heartbeat timeout for the clean-stop test: ten minutes, far past its deadline."""
+
+
+async def test_a_clean_stop_withdraws_users_at_once(pair: Cluster) -> None:
+    # A clean stop drains (users who do not come back leave after the move
+    # grace), and does not wait for the heartbeat timeout: with a timeout of ten
+    # minutes, only the node's own goodbye can withdraw alice within the deadline.
+    await pair.start("n1", "n2", node_timeout_ms=CLEAN_STOP_NODE_TIMEOUT_MS)
+    observer = await pair.client("n1", "observer")
+    await pair.client("n2", "alice")
     await wait_visible(observer, {"observer", "alice"}, 5 + SLACK, "alice's join")
-    stopped_at = time.monotonic()
-    await cluster.terminate("n3")
-    await wait_visible(observer, {"observer"}, 5 + SLACK, "alice's leave")
-    elapsed = time.monotonic() - stopped_at
-    # A clean stop drains (users who do not come back leave after the move grace),
-    # but does not wait for the heartbeat timeout.
-    assert CLEAN_STOP_BOUND < DEATH_BOUND
-    assert elapsed < DEATH_BOUND, "a clean stop does not wait for the heartbeat timeout"
+    await pair.terminate("n2")
+    assert CLEAN_STOP_BOUND + SLACK < CLEAN_STOP_NODE_TIMEOUT_MS / 1000
+    await wait_visible(observer, {"observer"}, CLEAN_STOP_BOUND + SLACK, "alice's leave")
     assert_gap_free(observer)
-    assert "n3" not in {r.endpoint for r in await cluster.rows()}
+    assert "n2" not in {r.endpoint for r in await pair.rows()}
 
 
 async def test_a_paused_node_comes_back(cluster: Cluster) -> None:

@@ -21,7 +21,7 @@ from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.presence.core import Changes, delta_of
 from server.presence.redis import RedisPresenceBackend
-from server.redis.keys import channel_for
+from server.redis.keys import PRESENCE_NAMESPACE, channel_for
 from server.store.memory import MemoryStore
 from tests.cluster.harness import eventually
 from tests.services import RedisServer, free_port
@@ -122,10 +122,15 @@ async def test_reconnect_callbacks_run_before_any_new_message(
         await bus.close()
 
 
+LEASE_MS = 60_000
+"""Longer than any test: a lease lapses only when a test makes it (``lapse``), never
+because a loaded machine took 400 ms between two steps."""
+
+Backends = tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox, "RedisBus | RedisClusterBus"]
+
+
 @pytest.fixture(params=["redis", "redis-cluster"])
-async def backends(
-    request: pytest.FixtureRequest,
-) -> AsyncIterator[tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox]]:
+async def backends(request: pytest.FixtureRequest) -> AsyncIterator[Backends]:
     """Two presence backends on one bus: over one Redis, and over a Redis Cluster."""
     store = MemoryStore()
     bus: RedisBus | RedisClusterBus
@@ -139,20 +144,27 @@ async def backends(
     inbox = Inbox()
     await bus.start(inbox)
     await bus.subscribe([PRESENCE, PRESENCE_HINTS])
-    one = RedisPresenceBackend(bus, store, node_id="one", lease_ms=400)
-    two = RedisPresenceBackend(bus, store, node_id="two", lease_ms=400)
+    one = RedisPresenceBackend(bus, store, node_id="one", lease_ms=LEASE_MS)
+    two = RedisPresenceBackend(bus, store, node_id="two", lease_ms=LEASE_MS)
     for backend in (one, two):
         await backend.start()
-    yield one, two, inbox
+    yield one, two, inbox, bus
     for backend in (one, two):
         await backend.close()
     await bus.close()
 
 
-async def test_one_writer_and_a_fenced_stale_one(
-    backends: tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox],
-) -> None:
-    one, two, inbox = backends
+async def lapse(bus: RedisBus | RedisClusterBus) -> None:
+    """What a lease holder that stopped renewing leaves: no lease key (it expired)."""
+    client = bus.command_client()
+    try:
+        assert await client.delete(PRESENCE_NAMESPACE + "leader") == 1
+    finally:
+        await client.aclose()
+
+
+async def test_one_writer_and_a_fenced_stale_one(backends: Backends) -> None:
+    one, two, inbox, bus = backends
     assert await one.lead()
     assert not await two.lead()
     await one.report({"alice": True}, time.time())
@@ -169,7 +181,7 @@ async def test_one_writer_and_a_fenced_stale_one(
     assert (await two.committed()).users == {"alice": True, "bob": False}
 
     # The lease lapses (one stops renewing): two takes over, one is fenced.
-    await asyncio.sleep(0.5)
+    await lapse(bus)
     assert await two.lead()
     assert not await one.lead()
     leave = delta_of(delta.seq + 1, {"alice": True, "bob": False}, {"alice": None})
@@ -181,10 +193,8 @@ async def test_one_writer_and_a_fenced_stale_one(
     assert all(isinstance(h, PresenceHint) for h in hints)
 
 
-async def test_a_commit_that_does_not_match_redis_is_refused(
-    backends: tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox],
-) -> None:
-    one, _, inbox = backends
+async def test_a_commit_that_does_not_match_redis_is_refused(backends: Backends) -> None:
+    one, _, inbox, _ = backends
     assert await one.lead()
     base = await one.committed()
     good = delta_of(base.seq + 1, {}, {"alice": True})
@@ -203,10 +213,8 @@ async def test_a_commit_that_does_not_match_redis_is_refused(
     assert [decode_envelope(d) for d in inbox.on(PRESENCE)] == [good, right]
 
 
-async def test_hints_built_in_lua_are_envelopes(
-    backends: tuple[RedisPresenceBackend, RedisPresenceBackend, Inbox],
-) -> None:
-    one, _, inbox = backends
+async def test_hints_built_in_lua_are_envelopes(backends: Backends) -> None:
+    one, _, inbox, _ = backends
     await one.report({"alice": True, "bob": False}, time.time())
     await one.close()  # deregistering hints the users it withdraws, from Lua
     await eventually(lambda: len(inbox.on(PRESENCE_HINTS)) >= 2, 2, "the hints")

@@ -141,6 +141,6 @@ async def test_a_stopped_node_is_left_for_another_within_three_heartbeats(pair: 
                 await publish(pair, "n2", n)
             await rec.until(lambda: rec.payloads() == [0, 1, 2], "the events, via n2", BUDGET)
             assert rec.disconnects[0] == Disconnected(1006, "read timeout", True, 0.5)
-            assert rec.connects == 2
+            await rec.until(lambda: rec.connects == 2, "connected to n2", BUDGET)
         finally:
             pair.nodes["n1"].process.send_signal(signal.SIGCONT)

@@ -15,6 +15,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from loadtest.harness.redis_cluster import RedisCluster
+from server.coordination import bot_sessions
+from server.coordination.bot_sessions import (
+    MARK_CHUNK,
+    BotSessions,
+    MemoryBotSessions,
+    RedisBotSessions,
+)
 from server.coordination.claims import Claims, MemoryClaims, RedisClaims
 from server.coordination.game_lock import (
     GameLocks,
@@ -225,12 +232,19 @@ async def pair_of_limiters(
 async def test_the_rate_is_per_user_in_a_sliding_window(
     kind: str, request: pytest.FixtureRequest
 ) -> None:
-    a, b = await pair_of_limiters(kind, request, limit=3, window=1.0)
+    # A minute's window: the refusals hold however slowly these calls run.
+    a, b = await pair_of_limiters(kind, request, limit=3, window=60.0)
     assert [await a.allow("u"), await b.allow("u"), await a.allow("u")] == [True] * 3
     assert not await b.allow("u") and not await a.allow("u")
     assert await b.allow("someone-else")
+    await a.close()
+    await b.close()
+    # A second's window, full: once it has passed (a sleep is a lower bound), allowed again.
+    a, b = await pair_of_limiters(kind, request, limit=3, window=1.0)
+    for limiter in (a, b, a):
+        await limiter.allow("u")
     await asyncio.sleep(1.1)
-    assert await a.allow("u")
+    assert await a.allow("u") and await b.allow("u")
     await a.close()
     await b.close()
 
@@ -268,6 +282,19 @@ async def test_a_claim_goes_to_the_first_asker_until_it_expires(
     assert await second.claim("carol", 0.2)
 
 
+@pytest.mark.parametrize("claims_pair", ["memory", "redis", "redis-cluster"], indirect=True)
+async def test_claims_in_one_call_follow_the_same_rule(
+    claims_pair: tuple[Claims, Claims],
+) -> None:
+    first, second = claims_pair
+    assert await first.claim("dave", 30)
+    names = ["dave", *(f"user{index}" for index in range(40))]  # many slots on a cluster
+    assert await second.claim_many(names, 30) == set(names[1:])
+    assert await first.claim_many(names, 30) == set()
+    assert await first.claim_many([], 30) == set()
+    assert not await second.claim("user7", 30)
+
+
 async def test_without_redis_locks_refuse_and_limits_fall_back_to_this_node() -> None:
     nowhere = f"redis://127.0.0.1:{free_port()}/0"
     locks = RedisGameLocks(nowhere, wait=1)
@@ -278,5 +305,59 @@ async def test_without_redis_locks_refuse_and_limits_fall_back_to_this_node() ->
     assert [await limiter.allow("u") for _ in range(3)] == [True, True, False]
     claims = RedisClaims(nowhere, "last-seen")
     assert await claims.claim("u", 60) and not await claims.claim("u", 60)
+    assert await claims.claim_many(["u", "v"], 60) == {"v"}
     for part in (locks, limiter, claims):
         await part.close()
+
+
+def pair_of_bot_sessions(kind: str, request: pytest.FixtureRequest) -> list[BotSessions]:
+    """Two nodes' marks on Redis; the memory one is a whole (one-node) cluster."""
+    if kind == "memory":
+        return [MemoryBotSessions("a")]
+    url, sharded = redis_for(kind, request)
+    return [RedisBotSessions(url, node, cluster=sharded) for node in ("a", "b")]
+
+
+@kinds()
+async def test_a_bot_marked_on_one_node_is_connected_for_every_node(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    nodes = pair_of_bot_sessions(kind, request)
+    first, last = nodes[0], nodes[-1]
+    bots = [f"bot-{uuid.uuid4().hex}" for _ in range(MARK_CHUNK + 3)]  # over one pipeline
+    try:
+        await first.mark(bots)
+        for bot in (*bots[:3], *bots[-3:]):
+            assert await last.connected(bot)
+        assert not await last.connected(f"bot-{uuid.uuid4().hex}")
+        await last.mark(bots[:1])
+        await first.unmark(bots[0])
+        # the other node's mark still stands; with one node, none is left
+        assert await first.connected(bots[0]) is (len(nodes) == 2)
+        await last.unmark(bots[0])
+        assert not await first.connected(bots[0])
+        assert await first.connected(bots[1])
+    finally:
+        for node in nodes:
+            await node.close()
+
+
+@kinds()
+async def test_a_mark_not_renewed_lapses(
+    kind: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nodes = pair_of_bot_sessions(kind, request)
+    short, long = f"bot-{uuid.uuid4().hex}", f"bot-{uuid.uuid4().hex}"
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(bot_sessions, "MARK_SECONDS", 0.3)
+            await nodes[0].mark([short])
+        await nodes[0].mark([long])
+        deadline = time.monotonic() + 10
+        while await nodes[-1].connected(short):  # a killed node's marks go by themselves
+            assert time.monotonic() < deadline, "the mark outlived its expiry by 10 s"
+            await asyncio.sleep(0.05)
+        assert await nodes[-1].connected(long)  # what lapsed was the short mark, by its expiry
+    finally:
+        for node in nodes:
+            await node.close()

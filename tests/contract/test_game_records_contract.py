@@ -174,6 +174,84 @@ async def test_appends_from_many_writers_are_each_stored_once(store: Store) -> N
     assert row[r.COMMENT_BYTES] == sum(comment_weight(c.comment) for c in posts)
 
 
+async def test_a_batch_is_stored_as_if_its_comments_came_one_by_one(store: Store) -> None:
+    key = comment_key
+    # The game's first comments: the item does not exist yet.
+    first = [comment("one", ts=1), comment("two", user="bob", ts=2)]
+    outcomes = await store.append_comments(
+        GAME, [(first[0], key("alice", "1")), (first[1], key("bob", "1"))]
+    )
+    assert [(o.status, o.time_stamp) for o in outcomes] == [
+        (AppendStatus.STORED, 1),
+        (AppendStatus.STORED, 2),
+    ]
+    # The usual case: an item with its counter, new keys only.
+    more = [comment(f"c{i} ✓", user=f"u{i}", ts=10 + i) for i in range(5)]
+    outcomes = await store.append_comments(GAME, [(c, key(c.user_id, "m")) for c in more])
+    assert [o.status for o in outcomes] == [AppendStatus.STORED] * 5
+    assert [o.time_stamp for o in outcomes] == [10, 11, 12, 13, 14]
+    # A retry of a stored key among new ones, and one key twice in the batch.
+    retry = comment("two again", user="bob", ts=20)
+    fresh = comment("fresh", ts=21)
+    twice = comment("fresh, sent twice", ts=22)
+    outcomes = await store.append_comments(
+        GAME, [(retry, key("bob", "1")), (fresh, key("alice", "2")), (twice, key("alice", "2"))]
+    )
+    assert [(o.status, o.time_stamp) for o in outcomes] == [
+        (AppendStatus.DUPLICATE, 2),
+        (AppendStatus.STORED, 21),
+        (AppendStatus.DUPLICATE, 21),
+    ]
+    row = Rows(store).get("GAMECOMMENTS", GAME)
+    assert row is not None
+    kept = [*first, *more, fresh]
+    assert row["comments"] == [plain(c) for c in kept]
+    assert row[r.COMMENT_BYTES] == sum(comment_weight(c.comment) for c in kept)
+    assert len(row[r.COMMENT_IDS]) == len(kept)
+
+
+async def test_a_batch_that_would_pass_the_cap_stores_what_fits_in_order(store: Store) -> None:
+    rows = Rows(store)
+    counted = {
+        "comments": [plain(comment("a", ts=1))],
+        r.COMMENT_BYTES: 359_400,
+        r.COMMENT_IDS: {"k1": 1},
+    }
+    rows.put("GAMECOMMENTS", GAME, counted)
+    fits = comment("x" * 190, ts=2)  # weight 300: 359,700
+    too_big = comment("y" * 290, ts=3)  # weight 400: would reach 360,100
+    small = comment("z" * 189, ts=4)  # weight 299: 359,999 still fits
+    outcomes = await store.append_comments(
+        GAME,
+        [
+            (fits, comment_key("a", "1")),
+            (too_big, comment_key("a", "2")),
+            (small, comment_key("a", "3")),
+        ],
+    )
+    assert [o.status for o in outcomes] == [
+        AppendStatus.STORED,
+        AppendStatus.FULL,
+        AppendStatus.STORED,
+    ]
+    row = rows.get("GAMECOMMENTS", GAME)
+    assert row is not None
+    assert row["comments"][1:] == [plain(fits), plain(small)]
+    assert row[r.COMMENT_BYTES] == COMMENTS_CAP_BYTES - 1
+
+
+async def test_a_large_batch_keeps_its_order(store: Store) -> None:
+    posts = [comment(f"n{i}", user=f"u{i % 3}", ts=i) for i in range(95)]
+    await store.append_comment(GAME, comment("first", ts=0), comment_key("x", "0"))
+    outcomes = await store.append_comments(
+        GAME, [(c, comment_key(c.user_id, f"m{i}")) for i, c in enumerate(posts)]
+    )
+    assert all(o.status is AppendStatus.STORED for o in outcomes)
+    row = Rows(store).get("GAMECOMMENTS", GAME)
+    assert row is not None
+    assert [c["comment"] for c in row["comments"]] == ["first", *(c.comment for c in posts)]
+
+
 # -------------------------------------------------------------------------- marks
 
 
@@ -243,3 +321,40 @@ async def test_last_seen_is_written_when_missing_or_stale_only(store: Store) -> 
     assert rows.get("USERS", "stale") == {"name": "S", "lastSeen": 1_000_001 + quarter}
     assert not await store.touch_last_seen("ghost", 5_000_000)
     assert rows.get("USERS", "ghost") is None
+
+
+async def test_last_seen_in_batches_keeps_the_same_rules(store: Store) -> None:
+    """60 users (three requests' worth on DynamoDB), conditions failing in every chunk:
+    the rest of each chunk is written all the same."""
+    rows = Rows(store)
+    quarter = r.LAST_SEEN_INTERVAL_MS
+    now = 10 * quarter
+    touches: dict[str, int] = {}
+    expected: set[str] = set()
+    for index in range(60):
+        user = f"u{index:02d}"
+        touches[user] = now + index
+        match index % 4:
+            case 0:
+                rows.put("USERS", user, {"name": user})  # never seen: written
+                expected.add(user)
+            case 1:
+                rows.put("USERS", user, {"name": user, "lastSeen": now - quarter})  # stale
+                expected.add(user)
+            case 2:
+                rows.put("USERS", user, {"name": user, "lastSeen": now - 10})  # recent
+            case _:
+                pass  # no USERS row: nothing is created
+    assert await store.touch_last_seen_many(touches) == expected
+    for index in range(60):
+        user = f"u{index:02d}"
+        row = rows.get("USERS", user)
+        match index % 4:
+            case 0 | 1:
+                assert row == {"name": user, "lastSeen": now + index}
+            case 2:
+                assert row == {"name": user, "lastSeen": now - 10}
+            case _:
+                assert row is None
+    assert await store.touch_last_seen_many({}) == set()
+    assert await store.touch_last_seen_many({"u02": now + 1}) == set()

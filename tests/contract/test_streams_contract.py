@@ -26,8 +26,10 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
+import redis.asyncio
 
 from loadtest.harness.redis_cluster import RedisCluster
 from protocol.envelope import decode_positioned
@@ -35,7 +37,8 @@ from server.bus import Bus, MemoryBus, MemoryHub
 from server.bus.redis_bus import RedisBus
 from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.redis_streams import RedisStreams
-from server.bus.streams import Append, MemoryStreams, StreamLimits, Streams
+from server.bus.streams import Append, Fence, MemoryStreams, StreamLimits, Streams
+from server.redis.client import command_client_for
 from tests.contract.test_bus_contract import Receiver
 from tests.services import redis_url_for_tests
 
@@ -323,3 +326,50 @@ async def test_memory_streams_count_the_bytes_their_histories_hold() -> None:
     now[0] = 20.0
     await streams.read("game:m#1", 0)  # past its history ttl: the history is dropped
     assert streams.history_bytes() == 1000
+
+
+async def test_a_fenced_append_checks_and_releases_its_lease(
+    new_pair: PairFactory, stream: str, request: pytest.FixtureRequest
+) -> None:
+    """The lease is the game's chat lock (same slot); memory streams leave the fence
+    to the local lock's holder, so only the Redis forms look at it."""
+    kind = request.node.callspec.params["new_pair"]
+    pair = await new_pair(StreamLimits())
+    if kind == "memory":
+        # One process: the lock is a local one, released by its holder; the fence is
+        # not looked at, and the appends go on as without one.
+        fence = Fence("ap:{" + stream + "}:chat-lock", "mine", release=True)
+        (position,) = await pair.streams.append_many([Append(stream, b"e1", (), None, fence)])
+        assert position.offset == 1 and not fence.applied and not fence.lost
+        return
+    client: Any
+    if kind == "redis":
+        client = redis.asyncio.Redis.from_url(request.getfixturevalue("redis_url"))
+    else:
+        cluster: RedisCluster = request.getfixturevalue("shared_redis_cluster")
+        client = command_client_for(cluster.url, cluster=True)
+    lease = "ap:{" + stream + "}:chat-lock"
+    try:
+        await client.set(lease, "mine", px=60_000)
+        kept = Fence(lease, "mine")  # checked, not released
+        ours = Fence(lease, "mine", release=True)
+        items = [Append(stream, b"e1", (), None, kept), Append(stream, b"e2", (), None, ours)]
+        positions = await pair.streams.append_many(items)
+        assert [p.offset for p in positions] == [1, 2]
+        assert (kept.applied, kept.lost, ours.applied, ours.lost) == (True, False, True, False)
+        assert await client.exists(lease) == 0
+        # Someone else's lease: the event is appended all the same, the lease is kept.
+        await client.set(lease, "theirs", px=60_000)
+        late = Fence(lease, "mine", release=True)
+        (position,) = await pair.streams.append_many([Append(stream, b"e3", (), None, late)])
+        assert position.offset == 3 and late.lost
+        assert await client.get(lease) == b"theirs"
+        # A repeat of a named event still releases (its first reply was lost).
+        await client.set(lease, "mine", px=60_000)
+        first = Fence(lease, "mine")
+        await pair.streams.append_many([Append(stream, b"e4", (), "named", first)])
+        again = Fence(lease, "mine", release=True)
+        (repeat,) = await pair.streams.append_many([Append(stream, b"e4", (), "named", again)])
+        assert repeat.offset == 4 and not again.lost and await client.exists(lease) == 0
+    finally:
+        await client.aclose()

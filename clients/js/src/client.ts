@@ -230,7 +230,7 @@ export class RealtimeClient {
     if (this.closed) return;
     this.stopped = false;
     this.refreshed = false;
-    this.attempt = 0;
+    // The backoff step stays: it resets only once a subscribe is acknowledged.
     if (this.ws) this.giveUp("reconnectNow", null);
     void this.connect();
   }

@@ -7,10 +7,14 @@ export const BACKOFF_MAX_MS = 30_000;
 export const OVERLOAD_MIN_MS = 5_000;
 /** A drained node (1012) asks everyone back at once: spread them over this window. */
 export const RESTART_SPREAD_MS = 3_000;
+/** The first step's ceiling at least: a dead node's clients all fail at once, and
+ *  their first retries spread over 1.5 s reach the others at a pace they admit. */
+export const FIRST_CEILING_MS = 2_000;
 
 /**
- * Exponential backoff with full jitter: uniform over [min, min(max, min·2^(attempt+1))],
- * where `attempt` counts the failures since the last acknowledged subscribe, from 0.
+ * Exponential backoff with full jitter: uniform over
+ * [min, min(max, max(2·min, FIRST_CEILING_MS)·2^attempt)], where `attempt` counts the
+ * failures since the last acknowledged subscribe, from 0: 0.5–2 s, 0.5–4 s, … 0.5–30 s.
  */
 export function backoffDelay(
   attempt: number,
@@ -18,7 +22,8 @@ export function backoffDelay(
   max: number = BACKOFF_MAX_MS,
   random: () => number = Math.random,
 ): number {
-  const ceiling = Math.min(max, min * 2 ** Math.min(attempt + 1, 16));
+  const first = Math.max(2 * min, FIRST_CEILING_MS);
+  const ceiling = Math.min(max, first * 2 ** Math.min(attempt, 16));
   return min + random() * (Math.max(ceiling, min) - min);
 }
 

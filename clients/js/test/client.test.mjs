@@ -67,19 +67,23 @@ test("backoff grows on every failure path, before the socket opens too, and rese
   assert.equal(h.sockets.length, 1);
   await h.tick(1);
   assert.equal(h.sockets.length, 2);
-  h.socket().open(); // opened, then lost before the ack: attempt 1 → [0.5 s, 2 s]
+  h.socket().open(); // opened, then lost before the ack: attempt 1 → [0.5 s, 4 s]
   h.socket().serverClose(1006);
-  await h.tick(1_999);
+  await h.tick(3_999);
   assert.equal(h.sockets.length, 2);
   await h.tick(1);
   assert.equal(h.sockets.length, 3);
-  h.socket().open(); // open but no ack: the subscribe is retried with the next step, [0.5 s, 4 s]
+  h.socket().open(); // open but no ack: the subscribe is retried with the next step, [0.5 s, 8 s]
   h.socket().serverClose(1011);
-  await h.tick(4_000);
+  await h.tick(7_999);
+  assert.equal(h.sockets.length, 3);
+  await h.tick(1);
   assert.equal(h.sockets.length, 4);
   await h.connect();
-  h.socket().serverClose(1006); // after an ack: back to the first step, [0.5 s, 1 s]
-  await h.tick(1_000);
+  h.socket().serverClose(1006); // after an ack: back to the first step, [0.5 s, 2 s]
+  await h.tick(1_999);
+  assert.equal(h.sockets.length, 4);
+  await h.tick(1);
   assert.equal(h.sockets.length, 5);
   assert.equal(h.tokens.length, 5, "a token on every connect");
 });
@@ -144,8 +148,10 @@ test("1012: back after a random 0–3 s, without a backoff step", async (t) => {
   assert.equal(h.sockets.length, 2);
   random.mock.mockImplementation(() => 1);
   h.socket().open();
-  h.socket().serverClose(1006); // the attempt count was not raised by the 1012: [0.5 s, 1 s]
-  await h.tick(1_000);
+  h.socket().serverClose(1006); // the attempt count was not raised by the 1012: [0.5 s, 2 s]
+  await h.tick(1_999);
+  assert.equal(h.sockets.length, 2);
+  await h.tick(1);
   assert.equal(h.sockets.length, 3);
 });
 

@@ -12,13 +12,13 @@ const at = (value) => () => value;
 
 test("backoff: full jitter between the floor and a doubling ceiling, capped at 30 s", () => {
   assert.equal(backoffDelay(0, undefined, undefined, at(0)), 500);
-  assert.equal(backoffDelay(0, undefined, undefined, at(1)), 1000);
-  assert.equal(backoffDelay(1, undefined, undefined, at(1)), 2000);
-  assert.equal(backoffDelay(3, undefined, undefined, at(1)), 8000);
+  assert.equal(backoffDelay(0, undefined, undefined, at(1)), 2000);
+  assert.equal(backoffDelay(1, undefined, undefined, at(1)), 4000);
+  assert.equal(backoffDelay(3, undefined, undefined, at(1)), 16000);
   assert.equal(backoffDelay(5, undefined, undefined, at(1)), BACKOFF_MAX_MS);
   assert.equal(backoffDelay(500, undefined, undefined, at(1)), BACKOFF_MAX_MS);
   assert.equal(backoffDelay(500, undefined, undefined, at(0)), BACKOFF_MIN_MS);
-  assert.equal(backoffDelay(2, undefined, undefined, at(0.5)), 500 + 0.5 * 3500);
+  assert.equal(backoffDelay(2, undefined, undefined, at(0.5)), 500 + 0.5 * 7500);
 });
 
 test("backoff: the overload floor is 5 s and the ceiling still 30 s", () => {
@@ -28,7 +28,7 @@ test("backoff: the overload floor is 5 s and the ceiling still 30 s", () => {
 });
 
 test("backoff: spread over the whole range with Math.random", () => {
-  const delays = Array.from({ length: 2000 }, () => backoffDelay(4));
+  const delays = Array.from({ length: 2000 }, () => backoffDelay(3));
   assert.ok(delays.every((d) => d >= 500 && d <= 16000));
   assert.ok(
     Math.min(...delays) < 1500 && Math.max(...delays) > 15000,

@@ -1,0 +1,106 @@
+"""``moto_server`` with DynamoDB's one-item atomicity: ``python -m loadtest.harness.moto_server``.
+
+DynamoDB applies each request to an item atomically: a conditional write
+checks its condition and writes in one step, so two racing writers can never
+both pass. moto's server answers every request on its own thread, and its
+DynamoDB backend reads, checks and writes with no lock between them: two
+racing ``SET seq = :n IF seq < :n`` can both pass and leave the smaller
+number. The tests and load tests race such writes on purpose (the presence
+sequence, fences, claims), so they run moto behind this launcher, which lets
+one DynamoDB request at a time into moto's backend. Other services (SQS long
+polls, DynamoDB Streams) keep their own threads.
+
+DynamoDB keeps HTTP/1.1 connections open between requests; werkzeug's server
+under moto closes each after one response, so every request of a client paid
+for a new TCP connection (a seventh of a node's CPU per ``UpdateItem`` in the
+``connect`` load test), which no client of DynamoDB pays. The launcher keeps
+them open: it reads each request's body before moto sees it, so no byte of one
+request is left on the socket for the next (why werkzeug closes them).
+
+Arguments are ``moto_server``'s (``-H``, ``-p``).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import threading
+from typing import Any
+
+import moto.server
+from moto.dynamodb.responses import DynamoHandler
+from moto.moto_server.werkzeug_app import MotoRequestHandler
+from werkzeug.serving import DechunkedInput
+
+_one_request_at_a_time = threading.Lock()
+
+
+def _serialise_dynamodb() -> None:
+    unlocked = DynamoHandler.call_action
+
+    @functools.wraps(unlocked)
+    def call_action(self: DynamoHandler) -> Any:
+        with _one_request_at_a_time:
+            return unlocked(self)
+
+    DynamoHandler.call_action = call_action  # type: ignore[method-assign]
+
+
+class _ReadBodyOnce:
+    """The connection's input for werkzeug once the body is read: lines (the next
+    request line and headers) as usual, but ``read`` finds nothing. After each
+    response werkzeug reads whatever is on the socket to discard an unread body,
+    which on a kept connection would swallow the next request."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    def read(self, size: int = -1) -> bytes:
+        return b""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+class KeepAliveHandler(MotoRequestHandler):
+    """moto's handler, keeping the connection open after a request whose body it read whole."""
+
+    _body_read = False
+    # werkzeug writes the headers and the body apart: without this, Nagle holds the
+    # body until the client's delayed ACK of the headers (40 ms) on a kept connection.
+    disable_nagle_algorithm = True
+
+    def setup(self) -> None:
+        super().setup()
+        self._raw_input: Any = self.rfile
+        self.rfile = _ReadBodyOnce(self.rfile)  # type: ignore[assignment]
+
+    def make_environ(self) -> dict[str, Any]:
+        self._body_read = False
+        environ = super().make_environ()
+        if environ.get("wsgi.input_terminated"):  # chunked: werkzeug reads it, then closes
+            environ["wsgi.input"] = DechunkedInput(self._raw_input)
+            return environ
+        length = environ.get("CONTENT_LENGTH") or ""
+        size = int(length) if length.isdigit() else 0
+        environ["wsgi.input"] = io.BytesIO(self._raw_input.read(size) if size else b"")
+        self._body_read = True
+        return environ
+
+    def send_header(self, keyword: str, value: str) -> None:
+        # werkzeug sends "Connection: close" with every response; http.server then
+        # closes. With the body read, the next request line is next on the socket.
+        if self._body_read and keyword.lower() == "connection" and value.lower() == "close":
+            return
+        super().send_header(keyword, value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _serialise_dynamodb()
+    # moto's main() hands this name to werkzeug's run_simple
+    setattr(moto.server, "MotoRequestHandler", KeepAliveHandler)  # noqa: B010
+    moto.server.main(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The moto launcher the tests run: conditional writes on one item are atomic, as in DynamoDB."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from server.store.dynamodb import DynamoStore
+from tests.conftest import TEST_REGION, new_table
+from tests.services import MotoServer, start_moto_server
+
+
+@pytest.fixture(scope="module")
+def own_moto() -> Iterator[MotoServer]:
+    server = start_moto_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_racing_conditional_writes_leave_the_highest(own_moto: MotoServer) -> None:
+    # Each write is "SET seq = n IF seq < n": in DynamoDB the highest always
+    # stays. Unserialised moto lets two writers both pass the check, and the
+    # smaller one written last wins now and then.
+    table = await new_table(own_moto.endpoint)
+    store = DynamoStore(table=table, region=TEST_REGION, endpoint_url=own_moto.endpoint)
+    await store.start()
+    try:
+        rng = random.Random(7)
+        top = 0
+        for _ in range(8):
+            numbers = list(range(top + 1, top + 33))
+            rng.shuffle(numbers)
+            await asyncio.gather(*(store.reserve_presence_seq(n) for n in numbers))
+            top += 32
+            assert await store.current_presence_seq() == top
+    finally:
+        await store.close()
+
+
+def _request(body: bytes, *, chunked: bool = False) -> bytes:
+    head = (
+        "POST / HTTP/1.1\r\nHost: moto\r\n"
+        "X-Amz-Target: DynamoDB_20120810.ListTables\r\n"
+        "Content-Type: application/x-amz-json-1.0\r\n"
+        "Authorization: AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/dynamodb/"
+        "aws4_request, SignedHeaders=host, Signature=0\r\n"
+    )
+    if chunked:
+        return (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + (
+            f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+        )
+    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return head, await asyncio.wait_for(reader.readexactly(length), 10)
+
+
+async def test_connections_stay_open_between_requests(own_moto: MotoServer) -> None:
+    # As DynamoDB's endpoint does: a client's second request (here sent at once
+    # behind the first, before its answer) goes over the same connection.
+    host, port = own_moto.endpoint.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(_request(b"{}") + _request(b'{"Limit": 5}'))
+        await writer.drain()
+        for _ in range(2):
+            head, body = await _response(reader)
+            assert head.startswith(b"HTTP/1.1 200")
+            assert b"connection: close" not in head.lower()
+            assert b"TableNames" in body
+    finally:
+        writer.close()
+
+
+async def test_a_chunked_request_is_answered_and_then_closed(own_moto: MotoServer) -> None:
+    # Its end is found by reading it, which werkzeug does itself: the launcher
+    # leaves such a connection to werkzeug, which closes it after the answer.
+    host, port = own_moto.endpoint.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(_request(b"{}", chunked=True))
+        await writer.drain()
+        head, body = await _response(reader)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert b"TableNames" in body
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    finally:
+        writer.close()
