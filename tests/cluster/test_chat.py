@@ -93,7 +93,7 @@ async def test_concurrent_posts_on_two_nodes_are_stored_once_in_event_order(
             missing = sorted(set(comments) - set(seen))
             raise AssertionError(
                 f"{sum(seen.values())} chat events, {len(seen)} distinct of 200; "
-                f"missing {missing[:20]}"
+                f"missing {missing[:20]}\n{chat_cluster.logs()}"
             ) from timeout
 
     stored = stored_comments(raw, chat_cluster.table)
