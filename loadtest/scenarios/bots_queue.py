@@ -311,6 +311,9 @@ async def bots_queue(run: Run) -> Result:
     run.procs.append(moto_proc)  # not under test
     sqs_proc, sqs_endpoint = await start_moto()
     run.procs.append(sqs_proc)
+    # Measured, not pinned: their cores say whether moto is what limits the rate.
+    run.add_server("moto-dynamodb", [moto_proc])
+    run.add_server("moto-sqs", [sqs_proc])
     table = f"loadtest-{uuid.uuid4().hex[:8]}"
     await create_table(endpoint, table)
     await asyncio.to_thread(write_bot_rows, endpoint, table, [b.bot_id for b in bots])
@@ -399,6 +402,11 @@ async def bots_queue(run: Run) -> Result:
             await asyncio.sleep(duration)
             after = run.meter()
             steady_cpu = run.interval(before, after, "bots-queue")
+            steady_cores = {
+                label: run.interval(before, after, label).get("server_cores")
+                for label in ("moto-sqs", "moto-dynamodb")
+            }
+            steady_cores["generator"] = steady_cpu.get("generator_cores")
             timings["steady_send_rate"] = round(
                 (len(ledger.sent_ns) - sent_before) / max(1e-9, after.wall - before.wall), 1
             )
@@ -518,6 +526,7 @@ async def bots_queue(run: Run) -> Result:
         "steady": {
             "latency": steady.summary_ms(),
             "server_cores": steady_cpu.get("server_cores"),
+            "other_cores": steady_cores,
         },
         "latency_all_websocket": every.summary_ms(),
         "latency_by_phase": {p: h.summary_ms() for p, h in ledger.latency.items()},

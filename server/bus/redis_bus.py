@@ -28,7 +28,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from server.bus.base import BusDown, MessageHandler
-from server.redis.client import RedisUnavailable, make_client
+from server.redis.client import RedisUnavailable, close_pubsub, make_client
 from server.redis.keys import channel_for
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Counter, Registry
@@ -277,8 +277,7 @@ class RedisBus(LocalDelivery):
                     log.warning("Redis bus connection lost: %s", exc or type(exc).__name__)
             finally:
                 self._detach()
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await close_pubsub(pubsub)
             await retrying.wait()
 
     async def _attach(self, pubsub: PubSub) -> list[dict[str, Any]]:

@@ -49,7 +49,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from server.bus.base import BusDown, MessageHandler
 from server.bus.redis_bus import BusUnavailable, LocalDelivery, ReconnectCallback
-from server.redis.client import make_cluster_client, startup_nodes
+from server.redis.client import close_pubsub, make_cluster_client, startup_nodes
 from server.redis.keys import channel_for
 from server.redis.shard_pipes import ShardPipes
 from server.runtime.backoff import Backoff
@@ -115,8 +115,7 @@ class _Shard:
                         break
                     backlog.append(message)
         except BaseException:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await close_pubsub(pubsub)
             raise
         # redis-py reconnects a pub/sub connection by itself (in get_message,
         # or after a failed command) and resubscribes silently: messages sent
@@ -199,8 +198,7 @@ class _Shard:
             if not future.done():
                 future.set_result(False)
         if pubsub is not None:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await close_pubsub(pubsub)
         with contextlib.suppress(Exception):
             await self.redis.aclose()
 

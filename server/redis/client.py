@@ -8,6 +8,7 @@ same way instead of hanging while Redis is away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -32,6 +33,13 @@ it is exhausted."""
 
 class RedisUnavailable(ConnectionError):
     """Redis could not be reached at start-up within the allowed time."""
+
+
+async def close_pubsub(pubsub: Any) -> None:
+    """Close a pub/sub connection that may already be broken. ``Any``: redis-py
+    typed ``PubSub.aclose`` only from 8.2, and the floor is 8.1."""
+    with contextlib.suppress(Exception):
+        await pubsub.aclose()
 
 
 def make_client(
