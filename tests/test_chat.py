@@ -13,6 +13,7 @@ from protocol.errors import MAX_FRAME_BYTES
 from server.store.memory import MemoryStore
 from tests.chat_helpers import chat_message, post, replies, seed_game
 from tests.client import Client
+from tests.cluster.harness import eventually
 from tests.conftest import RunningServer
 from tests.rows import Rows
 
@@ -239,6 +240,42 @@ async def test_concurrent_posts_are_stored_once_each_in_event_order(server: Runn
     by_offset = sorted(events, key=lambda m: m["offset"])
     assert [m["payload"]["comment"] for m in by_offset] == comments
     assert all(m["stream"] == "game:chess#g1" for m in events)
+
+
+@pytest.mark.parametrize("reached_redis", [False, True], ids=["lost", "answer-lost"])
+async def test_a_failed_append_of_the_events_is_retried_and_appended_once(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch, reached_redis: bool
+) -> None:
+    """The comment is stored and acked before its events are appended: a failed
+    append must not leave watchers without them, nor give them two."""
+    seed_game(rows_of(server), GAME, ["alice", "bob"])
+    watcher = await server.subscribed("bob", games=[GAME])
+    author = await server.subscribed("alice")
+    streams = server.node.streams
+    append_many = streams.append_many
+    failures = []
+
+    async def failing_once(items: Any) -> Any:
+        if not failures:
+            failures.append(items)
+            if reached_redis:
+                await append_many(items)  # it ran; only its answer is lost
+            raise ConnectionError("connection reset")
+        return await append_many(items)
+
+    monkeypatch.setattr(streams, "append_many", failing_once)
+    assert (await post(author, GAME, "hello", msg_id="m-1"))["verb"] == "chatAck"
+    metrics = server.node.metrics
+    await eventually(lambda: metrics.value("ap_chat_publish_retries_total") == 1, 10, "a retry")
+    await watcher.wait_for(lambda: len(watcher.of_verb("chat")) == 1)
+    await server.publish({"verb": "test", "payload": "barrier"})
+    await watcher.next_message(lambda m: m["verb"] == "test")
+    assert failures, "the first append did not fail"
+    assert [m["payload"]["comment"] for m in watcher.of_verb("chat")] == ["hello"]
+    assert len(watcher.of_verb("game")) == 1
+    assert watcher.of_verb("chat")[0]["offset"] == 1
+    assert [c["comment"] for c in stored(server)] == ["hello"]
+    assert metrics.value("ap_chat_unannounced_total") == 0
 
 
 async def test_dashboard_marks_are_written_behind(server: RunningServer) -> None:

@@ -36,6 +36,7 @@ from protocol.parse import parse_broadcast
 from server.bus.streams import Fence
 from server.coordination.game_lock import GameLocks, LockUnavailable
 from server.coordination.rate_limit import RateLimiter
+from server.runtime.backoff import Backoff
 from server.runtime.group_commit import GroupClosed, GroupCommit, Turn
 from server.runtime.metrics import Registry
 from server.services import Publish
@@ -50,6 +51,12 @@ RATE_WINDOW_SECONDS = 10.0
 
 MAX_BATCH = 50
 """Most comments of one game written under one hold of its lock."""
+
+ANNOUNCE_BACKOFF = Backoff(first=0.05, cap=1.0)
+ANNOUNCE_WITHIN_SECONDS = 10.0
+"""How long a batch's events are retried (under its lock) once its comments are
+stored and acked: every event is named, so a retry after a failure whose first
+try did reach Redis takes no second position."""
 
 CLOSE_GRACE_SECONDS = 5.0
 """On shutdown, how long the comments already queued have to be written (and acked)
@@ -77,6 +84,13 @@ class _ChatCounters:
         )
         self.announce = registry.counter(
             "ap_chat_batch_publish_seconds_total", "Time batches spent appending their events"
+        )
+        self.announce_retries = registry.counter(
+            "ap_chat_publish_retries_total", "Appends of a batch's events tried again"
+        )
+        self.unannounced = registry.counter(
+            "ap_chat_unannounced_total",
+            "Stored comments whose events could not be appended (seen on refetch only)",
         )
 
 
@@ -282,10 +296,25 @@ class ChatService:
             events.append((parse_broadcast(json.dumps(chat)), f"{name}:chat"))
             events.append((parse_broadcast(json.dumps(game)), f"{name}:game"))
         (first, first_id), *rest = events
-        try:
-            await self._publish(first, event_id=first_id, then=rest, fence=fence)
-        except Exception as exc:  # the comments are stored: clients see them on refetch
-            log.warning("could not publish chat for %s: %s", comments[0][0].key, exc)
+        retrying = ANNOUNCE_BACKOFF.start(deadline=time.monotonic() + ANNOUNCE_WITHIN_SECONDS)
+        while True:
+            try:
+                await self._publish(first, event_id=first_id, then=rest, fence=fence)
+                return
+            except Exception as exc:
+                if not await retrying.wait():
+                    # Stored and acked: their clients see them on the next refetch.
+                    self._counters.unannounced.inc(len(comments))
+                    log.warning(
+                        "could not publish chat for %s, %d comment(s) stored unannounced: %s",
+                        comments[0][0].key,
+                        len(comments),
+                        exc,
+                    )
+                    return
+                self._counters.announce_retries.inc()
+                if retrying.failures == 1:
+                    log.info("retrying the chat events of %s: %s", comments[0][0].key, exc)
 
     def _now_ms(self) -> int:
         # Never backwards on this node, so one node's comments keep their order by time.
