@@ -27,6 +27,7 @@ from server.ingress.queue_core import QueuePolling, _Received
 from server.redis.client import make_client
 from server.services.bots import PRUNE_GRACE_MS
 from server.store import BotRecord, CurrentGame, MemoryStore
+from server.store.base import StoreUnavailable
 from tests.client import Client, dev_bot_token
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
 from tests.queues import depth, drain_bodies, eventually, new_queue, send, send_many
@@ -188,10 +189,10 @@ async def test_pending_turns_come_from_candidates_and_game_rows_and_are_pruned(
     }
     for game in rows.values():
         store.put_game(game)
-    for game_id in ("g-mine", "g-theirs", "g-simul", "g-simul-done", "g-over"):
-        await store.add_bot_candidate(BOT, "chess", game_id, old)
+    games = ("g-mine", "g-theirs", "g-simul", "g-simul-done", "g-over")
+    await store.add_bot_candidates([(BOT, "chess", game_id) for game_id in games], old)
     # Named a moment ago, before the game write that makes it the bot's turn landed.
-    await store.add_bot_candidate(BOT, "chess", "g-fresh", int(time.time() * 1000))
+    await store.add_bot_candidates([(BOT, "chess", "g-fresh")], int(time.time() * 1000))
     bot = await bridged.bot()
     assert pending_of(bot) == {("chess", "g-mine"), ("chess", "g-simul")}
     # Over (no active GAME row) or not the bot's turn: pruned; the fresh one is kept.
@@ -348,6 +349,9 @@ async def test_pending_turns_on_dynamodb_in_the_production_shapes(dynamodb_endpo
         table=table,
     )
     async with run_server(settings) as server:
+        (bridge,) = [s for s in server.node.services if isinstance(s, BotQueueBridge)]
+        # Its candidate writes have a client of their own, not queued behind the node's.
+        assert bridge._store is not server.node.store
         bodies = [move(BOT, g) for g in ("g-turn", "g-simul", "g-wait", "g-over")]
         bodies.append(move(BOT, "g-turn"))  # an admin ping_bot re-send: no harm
         await asyncio.to_thread(send_many, dynamodb_endpoint, queue, bodies)
@@ -385,6 +389,8 @@ async def test_pending_turns_on_dynamodb_in_the_production_shapes(dynamodb_endpo
             ExpressionAttributeValues={":pk": {"S": f"BOTTURNS#{BOT}"}},
         )["Items"]
         assert {i["sk"]["S"] for i in left} == {"g-simul"}
+    with pytest.raises(StoreUnavailable):  # closed with the node
+        await bridge._store.bot_candidates(BOT)
 
 
 async def test_a_bot_that_closed_its_socket_is_forwarded_to_again(bridged: Bridged) -> None:

@@ -253,7 +253,7 @@ async def test_a_failed_append_of_the_events_is_retried_and_appended_once(
     author = await server.subscribed("alice")
     streams = server.node.streams
     append_many = streams.append_many
-    failures = []
+    failures: list[Any] = []
 
     async def failing_once(items: Any) -> Any:
         if not failures:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from server.ingress import queue_core
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
 from tests.queues import depth, eventually, new_queue, send, sqs_client
@@ -307,3 +309,27 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
         for bot, user in zip(bots, users, strict=True):
             assert len(bot.of_verb("yourTurn")) == 1
             assert bot.offsets(f"user:{user}") == [1]
+
+
+async def test_a_slow_batch_is_logged_with_where_its_time_went(
+    bridged: RunningServer,
+    dynamodb_endpoint: str,
+    queue: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator whose queue lags can tell the store, Redis and SQS apart."""
+    monkeypatch.setattr(queue_core, "SLOW_BATCH_SECONDS", 0.0)  # every batch is "slow"
+    watcher = await bridged.subscribed("bob", games=[("chess", "g1")])
+    with caplog.at_level(logging.WARNING, logger="server.ingress.queue_core"):
+        await asyncio.to_thread(
+            send,
+            dynamodb_endpoint,
+            queue,
+            {"verb": "game", "payload": {"meta": "chess", "id": "g1"}},
+        )
+        await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
+        await eventually(lambda: "a batch of 1 took" in caplog.text, 10, "the slow batch's line")
+    line = next(r.getMessage() for r in caplog.records if "a batch of 1 took" in r.getMessage())
+    for step in ("claim", "deliver", "mark", "delete", "its oldest message was queued"):
+        assert step in line, line

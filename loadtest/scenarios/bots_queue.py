@@ -51,6 +51,7 @@ from loadtest.harness.servers import (
 )
 from loadtest.report.stats import Histogram
 from loadtest.report.targets import Target, check
+from loadtest.scenarios.abuse import run_metrics
 from loadtest.scenarios.bots import (
     BOT_ISSUER,
     BOT_SCOPE,
@@ -203,7 +204,7 @@ async def send_turns(
     gate = asyncio.Semaphore(SENDS_IN_FLIGHT)
     tasks: set[asyncio.Task[None]] = set()
 
-    async def send(first: int, entries: list[dict[str, str]], phase: str) -> None:
+    async def send(first: int, entries: list[dict[str, str]]) -> None:
         async with gate:
             while True:
                 stamp = time.time_ns()
@@ -218,7 +219,6 @@ async def send_turns(
                 ledger.send_failures += 1
         for index in range(len(entries)):
             ledger.sent_ns[first + index] = stamp
-            ledger.phase_of[first + index] = phase
 
     start = time.monotonic()
     serial = 0
@@ -233,7 +233,11 @@ async def send_turns(
             game = f"{bot.bot_id}-s{serial + index}"
             body = {"type": "move", "metaGame": META, "gameid": game, "botId": bot.bot_id}
             entries.append({"Id": str(index), "MessageBody": json.dumps(body)})
-        task = asyncio.create_task(send(serial, entries, ledger.phase))
+        for index in range(10):
+            # Its phase is the one it was made in, even if its send is still out
+            # when the phase ends: ``settle`` waits for it before the next phase.
+            ledger.phase_of[serial + index] = ledger.phase
+        task = asyncio.create_task(send(serial, entries))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         serial += 10
@@ -266,8 +270,10 @@ async def drain_forward(ledger: Ledger, sqs: Any, forward_url: str, stop: asynci
 
 
 async def settle(ledger: Ledger, run: Run, label: str, limit: float = 60.0) -> None:
-    """Until every serial sent so far arrived one way or the other (or ``limit`` s)."""
-    sent = list(ledger.sent_ns)
+    """Until every serial made so far arrived one way or the other (or ``limit`` s),
+    those whose send is still out included: a phase's last batch must not meet the
+    next phase's kill."""
+    sent = list(ledger.phase_of)
     started = time.monotonic()
     while time.monotonic() - started < limit:
         done = sum(1 for s in sent if s in ledger.websocket or s in ledger.forwarded)
@@ -290,6 +296,16 @@ async def queue_depth(sqs: Any, queue_url: str) -> int:
     return int(attributes["ApproximateNumberOfMessages"]) + int(
         attributes["ApproximateNumberOfMessagesNotVisible"]
     )
+
+
+async def bridge_counters(nodes: list[Proc]) -> dict[str, float]:
+    """The bot queue bridge's counters, summed over ``nodes``: where messages went."""
+    totals: dict[str, float] = {}
+    for proc in nodes:
+        for name, value in (await run_metrics(proc)).items():
+            if name.startswith("ap_bot_queue_") and not name.endswith(("_in_flight", "_seconds")):
+                totals[name] = totals.get(name, 0.0) + value
+    return totals
 
 
 async def bots_queue(run: Run) -> Result:
@@ -407,6 +423,7 @@ async def bots_queue(run: Run) -> Result:
                 for label in ("moto-sqs", "moto-dynamodb")
             }
             steady_cores["generator"] = steady_cpu.get("generator_cores")
+            bridge = await bridge_counters([bots_node, other])
             timings["steady_send_rate"] = round(
                 (len(ledger.sent_ns) - sent_before) / max(1e-9, after.wall - before.wall), 1
             )
@@ -527,6 +544,7 @@ async def bots_queue(run: Run) -> Result:
             "latency": steady.summary_ms(),
             "server_cores": steady_cpu.get("server_cores"),
             "other_cores": steady_cores,
+            "bridge_counters": bridge,
         },
         "latency_all_websocket": every.summary_ms(),
         "latency_by_phase": {p: h.summary_ms() for p, h in ledger.latency.items()},

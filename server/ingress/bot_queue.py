@@ -36,7 +36,6 @@ the WebSocket way was chosen finds the event in its user stream with ``since``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -62,8 +61,6 @@ from server.store.base import Store
 log = logging.getLogger(__name__)
 
 ROUTE_PREFIX = "ap:botq:route:"
-CANDIDATE_WRITES = 10
-"""A batch's candidate writes in flight at once (a receive holds at most 10 messages)."""
 WEBSOCKET = "ws"
 FORWARD = "fwd"
 
@@ -86,12 +83,14 @@ class BotQueueBridge(QueueBridge[BotOutbound]):
         webhook_queue_url: str,
         *,
         challenges_by_webhook: bool = False,
+        owns_store: bool = False,
         metrics: Registry,
     ) -> None:
         super().__init__(bus, dedup, polling, metrics=metrics)
         self._publish = publish
         self._route_dedup = dedup
         self._store = store
+        self._owns_store = owns_store  # its own client: started and closed with the bridge
         self._sessions = sessions
         self.webhook_queue_url = webhook_queue_url
         self._fifo = webhook_queue_url.endswith(".fifo")
@@ -106,6 +105,23 @@ class BotQueueBridge(QueueBridge[BotOutbound]):
             "ap_bot_queue_candidates_total", "BOTTURNS# candidates written for move messages"
         )
 
+    async def start(self) -> None:
+        if self._owns_store:
+            await self._store.start()
+        try:
+            await super().start()
+        except BaseException:
+            if self._owns_store:
+                await self._store.close()
+            raise
+
+    async def stop(self) -> None:
+        try:
+            await super().stop()
+        finally:
+            if self._owns_store:
+                await self._store.close()
+
     def parse(self, body: str) -> BotOutbound:
         try:
             return parse_bot_outbound(body)
@@ -113,20 +129,12 @@ class BotQueueBridge(QueueBridge[BotOutbound]):
             raise Poison(f"{exc.message} ({exc.code})") from exc
 
     async def prepare(self, claimed: Sequence[tuple[_Received, BotOutbound]]) -> None:
-        """The batch's moves become candidates, all at once: before any way is chosen,
+        """The batch's moves become candidates, in one write: before any way is chosen,
         so a bot connecting from now on reads them in its pendingTurns."""
-        now_ms = int(time.time() * 1000)
-        moves = {(m.bot_id, m.game_id): m for _, m in claimed if m.type == "move"}
-        gate = asyncio.Semaphore(CANDIDATE_WRITES)
-
-        async def write(move: BotOutbound) -> None:
-            async with gate:
-                await self._store.add_bot_candidate(move.bot_id, move.meta, move.game_id, now_ms)
-
-        async with asyncio.TaskGroup() as group:
-            for move in moves.values():
-                group.create_task(write(move))
-        self._candidates.inc(len(moves))
+        moves = [(m.bot_id, m.meta, m.game_id) for _, m in claimed if m.type == "move"]
+        if moves:
+            await self._store.add_bot_candidates(moves, int(time.time() * 1000))
+            self._candidates.inc(len(set(moves)))
 
     async def deliver(self, message: _Received, parsed: BotOutbound) -> None:
         if self.challenges_by_webhook and parsed.type == "challenge":

@@ -52,6 +52,8 @@ BUSY_RETRY_SECONDS = 5
 BACKOFF = Backoff(first=0.4, cap=5.0)
 """Pollers of many nodes do not retry in step."""
 DELETE_BACKOFF = replace(BACKOFF, attempts=3)
+SLOW_BATCH_SECONDS = 1.0
+"""A batch slower than this from receive to delete is logged, step by step."""
 STOP_GRACE_SECONDS = 5.0
 BUS_SETTLE_SECONDS = 3.0
 """After the bus reconnects, wait this long before publishing again: the other nodes'
@@ -321,6 +323,7 @@ class QueueBridge(Generic[Parsed]):
         # this node at once, and the second must find it claimed, not "already ours".
         self._batches += 1
         token = f"{self._token}/{self._batches}"
+        steps = _Steps()
         try:
             # Twice the visibility timeout: if publishing stalls past it and SQS hands
             # the message to another node, that node finds the claim and waits, rather
@@ -336,10 +339,12 @@ class QueueBridge(Generic[Parsed]):
         later: list[_Received] = []
         unpublished: list[str] = []
         ok = True
+        steps.done("claim")
         claimed = [e for e, claim in zip(events, claims, strict=True) if claim is Claim.CLAIMED]
         try:
             if claimed:
                 await self.prepare(claimed)
+                steps.done("prepare")
         except Exception as exc:
             ok = False
             self._counts.errors.inc()
@@ -366,6 +371,7 @@ class QueueBridge(Generic[Parsed]):
                     self._counts.published.inc()
                     completed.append(key)
                     done.append(message)
+        steps.done("deliver")
         try:
             await self._dedup.complete(completed, DEDUP_SECONDS)
             await self._dedup.release(unpublished, token)
@@ -375,9 +381,13 @@ class QueueBridge(Generic[Parsed]):
             # delete below makes a redelivery unlikely.
             self._counts.errors.inc()
             log.warning("%s: could not mark messages delivered: %s", self.NAME, exc)
+        steps.done("mark")
         await self._delete(done)
         if later:
             await self._hand_back(later, BUSY_RETRY_SECONDS if ok else None)
+        steps.done("delete")
+        if steps.total > SLOW_BATCH_SECONDS:
+            log.warning("%s: a batch of %d took %s", self.NAME, len(batch), steps.describe(batch))
         return ok
 
     async def _delete(self, messages: Sequence[_Received]) -> None:
@@ -427,6 +437,32 @@ class QueueBridge(Generic[Parsed]):
             # They come back after the visibility timeout instead: later, not lost.
             self._counts.errors.inc()
             log.warning("%s: could not hand %d messages back: %s", self.NAME, len(messages), exc)
+
+
+class _Steps:
+    """Where one batch's time went, for the log line of a slow one."""
+
+    def __init__(self) -> None:
+        self._start = self._last = time.monotonic()
+        self._steps: list[tuple[str, float]] = []
+
+    def done(self, step: str) -> None:
+        now = time.monotonic()
+        self._steps.append((step, now - self._last))
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return self._last - self._start
+
+    def describe(self, batch: Sequence[_Received]) -> str:
+        parts = ", ".join(f"{step} {seconds * 1000:.0f}" for step, seconds in self._steps)
+        text = f"{self.total * 1000:.0f} ms ({parts})"
+        sent = [m.sent_ms for m in batch if m.sent_ms is not None]
+        if sent:
+            queued = time.time() * 1000 - min(sent) - self.total * 1000
+            text += f"; its oldest message was queued {queued:.0f} ms before"
+        return text
 
 
 def sqs_client(region: str, endpoint_url: str | None, wait_seconds: int, pool: int) -> Any:

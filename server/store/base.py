@@ -228,8 +228,11 @@ class Store(Protocol):
         """Every ``CURRENTGAMES#<userId>`` row (all pages); rows without a game id
         or metaGame are skipped."""
 
-    async def add_bot_candidate(self, bot_id: str, meta: str, game_id: str, now_ms: int) -> None:
-        """Put ``BOTTURNS#<botId>/<gameId>`` (idempotent: a re-send only moves ``addedAt``)."""
+    async def add_bot_candidates(
+        self, candidates: Sequence[tuple[str, str, str]], now_ms: int
+    ) -> None:
+        """Put ``BOTTURNS#<botId>/<gameId>`` for each ``(bot id, metaGame, game id)``
+        (idempotent: a re-send only moves ``addedAt``; a repeat in one call is one put)."""
 
     async def bot_candidates(self, bot_id: str) -> list[BotCandidate]:
         """Every ``BOTTURNS#<botId>`` row (all pages)."""

@@ -73,6 +73,9 @@ class GameRecordsMixin:
     ) -> dict[str, Any]:
         raise NotImplementedError
 
+    async def _batch_write(self, requests: Sequence[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
     async def _get(self, pk: str, sk: str, *names: str) -> Item | None:
         """GetItem, consistent, projecting only ``names`` (dotted for map entries)."""
         params: dict[str, Any] = {
@@ -450,20 +453,21 @@ class GameRecordsMixin:
 
     # --- a bot's candidate games (BOTTURNS#) -------------------------------------------
 
-    async def add_bot_candidate(self, bot_id: str, meta: str, game_id: str, now_ms: int) -> None:
-        # An upsert: a re-sent message (ping_bot, a redelivery) only moves addedAt.
-        await self._call(
-            "update_item",
-            TableName=self.table,
-            Key=_key(r.BOTTURNS_PREFIX + bot_id, game_id),
-            UpdateExpression="SET #meta = :meta, #at = :at, #ttl = :ttl",
-            ExpressionAttributeNames={"#meta": r.META_GAME, "#at": r.ADDED_AT, "#ttl": r.TTL},
-            ExpressionAttributeValues={
-                ":meta": {"S": meta},
-                ":at": number(now_ms),
-                ":ttl": number(now_ms // 1000 + BOT_CANDIDATE_TTL_SECONDS),
-            },
-        )
+    async def add_bot_candidates(
+        self, candidates: Sequence[tuple[str, str, str]], now_ms: int
+    ) -> None:
+        # Puts, not UpdateItems: the row is only these attributes, so a put is the
+        # same upsert, and a batch of moves is one BatchWriteItem, not one request each.
+        items = {
+            (bot_id, game_id): {
+                **_key(r.BOTTURNS_PREFIX + bot_id, game_id),
+                r.META_GAME: {"S": meta},
+                r.ADDED_AT: number(now_ms),
+                r.TTL: number(now_ms // 1000 + BOT_CANDIDATE_TTL_SECONDS),
+            }
+            for bot_id, meta, game_id in candidates
+        }
+        await self._batch_write([{"PutRequest": {"Item": item}} for item in items.values()])
 
     async def bot_candidates(self, bot_id: str) -> list[BotCandidate]:
         params: dict[str, Any] = {

@@ -165,12 +165,15 @@ class MemoryStore:
         )
         return CurrentGame(game_id, meta, ids, _to_move(row.get("toMove")))
 
-    async def add_bot_candidate(self, bot_id: str, meta: str, game_id: str, now_ms: int) -> None:
-        self._rows[(r.BOTTURNS_PREFIX + bot_id, game_id)] = {
-            r.META_GAME: meta,
-            r.ADDED_AT: now_ms,
-            r.TTL: now_ms // 1000 + BOT_CANDIDATE_TTL_SECONDS,
-        }
+    async def add_bot_candidates(
+        self, candidates: Sequence[tuple[str, str, str]], now_ms: int
+    ) -> None:
+        for bot_id, meta, game_id in candidates:
+            self._rows[(r.BOTTURNS_PREFIX + bot_id, game_id)] = {
+                r.META_GAME: meta,
+                r.ADDED_AT: now_ms,
+                r.TTL: now_ms // 1000 + BOT_CANDIDATE_TTL_SECONDS,
+            }
 
     async def bot_candidates(self, bot_id: str) -> list[BotCandidate]:
         pk = r.BOTTURNS_PREFIX + bot_id

@@ -10,6 +10,7 @@ import asyncio
 from protocol.chat import COMMENTS_CAP_BYTES, comment_weight
 from server.store import Store
 from server.store import records as r
+from server.store.base import BOT_CANDIDATE_TTL_SECONDS
 from server.store.memory import MemoryStore
 from server.store.records import (
     AppendOutcome,
@@ -358,3 +359,35 @@ async def test_last_seen_in_batches_keeps_the_same_rules(store: Store) -> None:
                 assert row is None
     assert await store.touch_last_seen_many({}) == set()
     assert await store.touch_last_seen_many({"u02": now + 1}) == set()
+
+
+# ------------------------------------------------------------- a bot's candidates
+
+
+async def test_bot_candidates_are_upserted_listed_and_pruned_unless_re_added(
+    store: Store,
+) -> None:
+    moves = [("bot1", "chess", "g1"), ("bot1", "chess", "g2"), ("bot2", "go", "g3")]
+    # A repeat in one batch (one message re-sent) is one row.
+    await store.add_bot_candidates([*moves, ("bot1", "chess", "g1")], 1_000)
+    found = await store.bot_candidates("bot1")
+    assert [(c.game_id, c.meta, c.added_at_ms) for c in found] == [
+        ("g1", "chess", 1_000),
+        ("g2", "chess", 1_000),
+    ]
+    row = Rows(store).get(r.BOTTURNS_PREFIX + "bot2", "g3")
+    assert row is not None
+    assert row[r.META_GAME] == "go" and int(row[r.ADDED_AT]) == 1_000
+    assert int(row[r.TTL]) == 1 + BOT_CANDIDATE_TTL_SECONDS
+    # Re-sent later: addedAt moves, so a prune that read the older row keeps it.
+    await store.add_bot_candidates([("bot1", "chess", "g1")], 2_000)
+    assert not await store.drop_bot_candidate("bot1", "g1", 1_000)
+    assert await store.drop_bot_candidate("bot1", "g2", 1_000)
+    assert [c.game_id for c in await store.bot_candidates("bot1")] == ["g1"]
+
+
+async def test_a_batch_of_candidates_past_one_request_is_written_whole(store: Store) -> None:
+    moves = [(f"bot{i % 3}", "chess", f"g{i:02d}") for i in range(60)]
+    await store.add_bot_candidates(moves, 5_000)
+    listed = [await store.bot_candidates(f"bot{b}") for b in range(3)]
+    assert sorted(c.game_id for found in listed for c in found) == [f"g{i:02d}" for i in range(60)]
