@@ -331,5 +331,5 @@ async def test_a_slow_batch_is_logged_with_where_its_time_went(
         await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
         await eventually(lambda: "a batch of 1 took" in caplog.text, 10, "the slow batch's line")
     line = next(r.getMessage() for r in caplog.records if "a batch of 1 took" in r.getMessage())
-    for step in ("claim", "deliver", "mark", "delete", "its oldest message was queued"):
+    for step in ("claim", "prepare", "deliver", "mark", "delete", "its oldest message was queued"):
         assert step in line, line

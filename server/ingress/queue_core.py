@@ -344,11 +344,11 @@ class QueueBridge(Generic[Parsed]):
         try:
             if claimed:
                 await self.prepare(claimed)
-                steps.done("prepare")
         except Exception as exc:
             ok = False
             self._counts.errors.inc()
             log.warning("%s: a batch could not be prepared: %s", self.NAME, exc)
+        steps.done("prepare")
         for (message, event), key, claim in zip(events, keys, claims, strict=True):
             if claim is Claim.DONE:
                 self._counts.duplicates.inc()
