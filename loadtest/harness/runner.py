@@ -273,6 +273,25 @@ class Run:
         self.add_server(kind, [proc])
         return proc
 
+    async def start_cluster_node(
+        self,
+        name: str,
+        cluster: tuple[str, str, str],
+        extra_args: list[str],
+        ports: tuple[int, int] | None = None,
+    ) -> Proc:
+        """One of our cluster nodes (``cluster``: Redis URL, DynamoDB endpoint, table),
+        owned by this run; ``ports`` restarts a killed node where its clients look."""
+        proc = await start_ours(
+            name,
+            self.secrets,
+            debounce_ms=self.options.debounce_ms,
+            extra_args=extra_args,
+            cluster=cluster,
+            ports=ports,
+        )
+        return self.track(proc)
+
     async def stop_servers(self, *labels: str) -> None:
         """Drop every client, then stop these servers."""
         await self.pool.broadcast({"op": "close_all"}, limit=30)

@@ -47,10 +47,8 @@ from loadtest.harness.runner import Run
 from loadtest.harness.servers import (
     FAKE_AWS,
     HOST,
-    Proc,
     create_table,
     start_moto,
-    start_ours,
     start_redis,
 )
 from loadtest.report.stats import Histogram
@@ -370,18 +368,8 @@ async def bots(run: Run) -> Result:
     ]
     cluster = (redis_url, endpoint, table)
 
-    async def node(name: str, ports: tuple[int, int] | None = None) -> Proc:
-        proc = await start_ours(
-            name,
-            run.secrets,
-            debounce_ms=options.debounce_ms,
-            extra_args=bot_args,
-            cluster=cluster,
-            ports=ports,
-        )
-        return run.track(proc)
-
-    bots_node, front = await node("bots-node"), await node("front-node")
+    bots_node = await run.start_cluster_node("bots-node", cluster, bot_args)
+    front = await run.start_cluster_node("front-node", cluster, bot_args)
     run.add_server("bots", [bots_node, front])
     url = f"ws://{HOST}:{bots_node.ws_port}/"
     publish_url = f"http://{HOST}:{front.http_port}/publish"
@@ -423,7 +411,9 @@ async def bots(run: Run) -> Result:
         run.progress.log("restarting the bots' node (SIGTERM, then the same ports)")
         await asyncio.to_thread(bots_node.stop)
         down_s = time.monotonic() - restart_at
-        bots_node = await node("bots-node", (bots_node.ws_port, bots_node.http_port))
+        bots_node = await run.start_cluster_node(
+            "bots-node", cluster, bot_args, (bots_node.ws_port, bots_node.http_port)
+        )
         run.add_server("bots", [bots_node, front])
         back_s = time.monotonic() - restart_at
 

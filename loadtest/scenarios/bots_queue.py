@@ -46,7 +46,6 @@ from loadtest.harness.servers import (
     Proc,
     create_table,
     start_moto,
-    start_ours,
     start_redis,
 )
 from loadtest.report.stats import Histogram
@@ -372,18 +371,8 @@ async def bots_queue(run: Run) -> Result:
         ]
         cluster = (redis_url, endpoint, table)
 
-        async def node(name: str, ports: tuple[int, int] | None = None) -> Proc:
-            proc = await start_ours(
-                name,
-                run.secrets,
-                debounce_ms=options.debounce_ms,
-                extra_args=node_args,
-                cluster=cluster,
-                ports=ports,
-            )
-            return run.track(proc)
-
-        bots_node, other = await node("bots-node"), await node("queue-node")
+        bots_node = await run.start_cluster_node("bots-node", cluster, node_args)
+        other = await run.start_cluster_node("queue-node", cluster, node_args)
         run.add_server("bots-queue", [bots_node, other])
         url = f"ws://{HOST}:{bots_node.ws_port}/"
         stop_bots, stop_sending, stop_draining = asyncio.Event(), asyncio.Event(), asyncio.Event()
@@ -435,7 +424,9 @@ async def bots_queue(run: Run) -> Result:
             killed_at = time.monotonic()
             bots_node.process.kill()
             await asyncio.to_thread(bots_node.process.wait, 10)
-            bots_node = await node("bots-node", (bots_node.ws_port, bots_node.http_port))
+            bots_node = await run.start_cluster_node(
+                "bots-node", cluster, node_args, (bots_node.ws_port, bots_node.http_port)
+            )
             run.add_server("bots-queue", [bots_node, other])
             timings["restarted_s"] = round(time.monotonic() - killed_at, 2)
             await asyncio.sleep(max(2.0, duration / 2))
