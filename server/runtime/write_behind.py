@@ -63,8 +63,9 @@ class CoalescingFlusher(Generic[K, V]):
 
     def put(self, key: K, value: V) -> None:
         """Queue a value; it is merged over any pending value for the same key."""
-        older = self._pending.get(key)
-        self._pending[key] = value if older is None else self._merge(older, value)
+        # Membership, not ``get() is None``: None is a value here (a presence leave).
+        pending = self._pending
+        pending[key] = self._merge(pending[key], value) if key in pending else value
         self._idle.clear()
         self._wakeup.set()
 
@@ -91,9 +92,10 @@ class CoalescingFlusher(Generic[K, V]):
                 if failed:
                     log.warning("%s: %d writes failed, retrying", self._name, len(failed))
                     self._failures.inc(len(failed))
+                    pending = self._pending
                     for key, value in failed.items():
-                        newer = self._pending.get(key)
-                        self._pending[key] = value if newer is None else self._merge(value, newer)
+                        # A value queued meanwhile is newer than the failed one.
+                        pending[key] = self._merge(value, pending[key]) if key in pending else value
                     await retrying.wait()
                 else:
                     retrying.reset()
