@@ -680,6 +680,7 @@ def _parameters(aws: dict[str, str], every_feature: bool) -> dict[str, str]:
             "BroadcastQueueUrl": _queue_url("abstractplay-ws-messages-test"),
             "BotQueueUrl": _queue_url("bots-out-test"),
             "BotWebhookQueueUrl": _queue_url("bots-forward-test"),
+            "BotChallengesByWebhook": "true",
             "BotUserPoolId": "us-east-1_BotPool22",
             "BotScope": "resource-server/communicate",
             "RedisMode": "cluster",
@@ -806,6 +807,7 @@ def test_stack_in_moto(aws: dict[str, str], every_feature: bool) -> None:
         "AP_SQS_QUEUE_URL",
         "AP_BOT_QUEUE_URL",
         "AP_BOT_WEBHOOK_QUEUE_URL",
+        "AP_BOT_CHALLENGES_BY_WEBHOOK",
     }
     if every_feature:
         assert settings.redis_cluster_url == "redis://redis.dropped-for-moto.invalid:6379"
@@ -818,12 +820,14 @@ def test_stack_in_moto(aws: dict[str, str], every_feature: bool) -> None:
         assert settings.bot_scope == parameters["BotScope"]
         assert settings.bot_queue_url == parameters["BotQueueUrl"]
         assert settings.bot_webhook_queue_url == parameters["BotWebhookQueueUrl"]
+        assert settings.bot_challenges_by_webhook
     else:
         assert settings.redis_url == "redis://redis.dropped-for-moto.invalid:6379/0"
         assert settings.redis_cluster_url is None
         assert not settings.notifications_from_stream and settings.sqs_queue_url is None
         assert settings.bot_cognito_issuer is None
         assert settings.bot_queue_url is None and settings.bot_webhook_queue_url is None
+        assert not settings.bot_challenges_by_webhook
         assert not feature_variables & set(env)
     drain = settings.drain_seconds + settings.drain_move_grace_ms / 1000
     assert box["stopTimeout"] > drain + 2 * settings.presence_debounce
