@@ -133,6 +133,10 @@ def _cluster_node(settings: Settings, store: Store, metrics: Registry) -> Node:
     bus.on_reconnect(node.presence.resync)
     # Events published meanwhile are in the streams' history: fill the holes.
     bus.on_reconnect(node.delivery.check_streams)
+    if isinstance(bus, RedisClusterBus):
+        # A delta the view check found lost may mean a subscription on a node
+        # that no longer serves its slot: place every channel again.
+        node.presence.on_lost_delta(bus.recheck)
     backend.on_presumed_dead(lambda: node.registry.rewrite(node.sessions, node.node_id))
     return node
 

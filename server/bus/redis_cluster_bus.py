@@ -460,6 +460,19 @@ class RedisClusterBus(LocalDelivery):
         asyncio.get_running_loop().create_task(shard.close())
         self._start_repair(exc)
 
+    def recheck(self) -> None:
+        """Place every channel again from a fresh slot map, as after a lost shard.
+
+        For a loss no connection reported (the presence view check found a delta
+        this node never heard): a subscription left on a node that no longer
+        serves its slot would deliver nothing and say nothing. The repair moves
+        what the fresh map places elsewhere, then runs the reconnect callbacks
+        (presence reload, held streams checked)."""
+        if self._closing or self._handler is None:
+            return
+        log.warning("Redis Cluster bus: rechecking every subscription against the slot map")
+        self._start_repair(_ShardLost("a recheck was asked for"))
+
     def _start_repair(self, exc: BaseException) -> None:
         self._healthy.clear()
         if self._repair is None or self._repair.done():

@@ -87,6 +87,9 @@ class PresenceBackend(Protocol):
     async def committed(self) -> CommittedPresence:
         """The committed state and its seq, read atomically."""
 
+    async def committed_seq(self) -> int | None:
+        """The committed seq alone (None while the backend holds no state yet)."""
+
     async def commit(self, delta: PresenceDelta, changes: Changes) -> bool:
         """Apply ``changes`` as ``delta`` and publish it, if still the writer."""
 
@@ -127,6 +130,9 @@ class MemoryPresenceBackend:
 
     async def committed(self) -> CommittedPresence:
         return CommittedPresence(self._committed.seq, dict(self._committed.users))
+
+    async def committed_seq(self) -> int | None:
+        return self._committed.seq
 
     async def commit(self, delta: PresenceDelta, changes: Changes) -> bool:
         apply_changes(self._committed.users, changes)

@@ -5,6 +5,9 @@
 - The committed deltas it hears on the bus are applied to its view in seq
   order and sent to its presence watchers; a gap reloads the view, and so does
   a bus reconnect, which also sends every watcher a fresh snapshot.
+- Its view's seq is compared with the committed one every few seconds: pub/sub
+  may lose a delta unnoticed, and a gap shows only when a later delta arrives,
+  so the last one before a quiet spell could stay lost for good.
 - ``syncPresence`` gets a snapshot, at most one per second per connection.
 - A user sent away by a drain stays reported here for the move grace, so that
   their reconnect elsewhere is reported first and nobody sees them flap.
@@ -43,6 +46,11 @@ RELOAD_BACKOFF = Backoff(first=0.1, cap=1.0, jitter=0.0, attempts=20)
 """Tries to reload presence after a bus reconnect (about 15 s of waits in all)."""
 SYNC_PRESENCE_INTERVAL = 1.0
 """Seconds between two snapshots answering one connection's syncPresence."""
+VIEW_CHECK_INTERVAL = 5.0
+"""Seconds between two comparisons of the view's seq with the committed seq (one
+Redis GET). A delta committed before one check and still missing at the next had a
+whole interval to arrive: it was lost, and the view is reloaded. So a lost delta
+costs at most two intervals, as the writer's audit bounds a lost hint."""
 
 
 class NodePresence:
@@ -55,6 +63,8 @@ class NodePresence:
         watchers: Set[Session],
         seen: Callable[[str], None],
         metrics: Registry,
+        *,
+        check_interval: float = VIEW_CHECK_INTERVAL,
     ) -> None:
         """``sessions`` and ``watchers`` are the hub's live sets (all open sessions,
         and those that want presence); ``seen`` marks a user's lastSeen."""
@@ -70,6 +80,12 @@ class NodePresence:
         self._reloads = metrics.counter(
             "ap_presence_view_reloads_total", "Times a node reloaded committed presence after a gap"
         )
+        self._lost_deltas = metrics.counter(
+            "ap_presence_lost_deltas_total",
+            "Times the view check found committed deltas this node never heard (then reloaded)",
+        )
+        self._check_interval = check_interval
+        self._lost_delta_callbacks: list[Callable[[], None]] = []
         self._reports: CoalescingFlusher[str, bool | None] = CoalescingFlusher(
             "presence-reports", self._report, lambda _old, new: new, bus_failures(metrics)
         )
@@ -98,6 +114,12 @@ class NodePresence:
         self.writer.start()
         stack.push_async_callback(self.writer.close)
         run_until_unwound(stack, self._delta_loop(), "presence-deltas")
+        run_until_unwound(stack, self._check_view(), "presence-view-check")
+
+    def on_lost_delta(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the view check finds a delta that never arrived:
+        the bus may hold a subscription that silently stopped delivering."""
+        self._lost_delta_callbacks.append(callback)
 
     # --- this node's users ----------------------------------------------------
 
@@ -220,6 +242,35 @@ class NodePresence:
             else:
                 self.view.apply(delta)
             send_frame(self._watchers, Frame(delta), self._outbox_limit)
+
+    async def _check_view(self) -> None:
+        behind_at: int | None = None  # committed seq the view lacked at the last check
+        while True:
+            await asyncio.sleep(self._check_interval)
+            try:
+                committed = await self._backend.committed_seq()
+            except Exception as exc:  # Redis away: the reconnect reloads anyway
+                log.debug("presence view check failed: %s", exc)
+                behind_at = None
+                continue
+            if committed is None or committed <= self.view.seq:
+                behind_at = None
+            elif behind_at is not None and self.view.seq < behind_at:
+                self._lost_deltas.inc()
+                log.warning(
+                    "presence view at seq %d never heard the deltas up to %d: reloading",
+                    self.view.seq,
+                    behind_at,
+                )
+                self._deltas.put_nowait(None)
+                behind_at = None
+                for callback in self._lost_delta_callbacks:
+                    try:
+                        callback()
+                    except Exception:
+                        log.exception("lost-delta callback failed")
+            else:
+                behind_at = committed
 
     async def _reload_view(self) -> None:
         self._reloads.inc()

@@ -255,6 +255,10 @@ class RedisPresenceBackend:
         seq, flat = raw
         return CommittedPresence(seq=int(seq), users=_decode_states(flat))
 
+    async def committed_seq(self) -> int | None:
+        raw = await self._client.get(self._seq)
+        return None if raw is None else int(raw)
+
     async def commit(self, delta: PresenceDelta, changes: Changes) -> bool:
         leaves = set(delta.leaves)
         args: list[Any] = [

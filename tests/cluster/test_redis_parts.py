@@ -224,3 +224,33 @@ async def test_hints_built_in_lua_are_envelopes(backends: Backends) -> None:
     assert isinstance(hint, PresenceHint)
     assert hint.node_id == "one"
     assert sorted(hint.user_ids) == ["alice", "bob"]
+
+
+async def test_committed_seq_is_the_seq_a_commit_left(backends: Backends) -> None:
+    one, _, _, _ = backends
+    assert await one.lead()
+    committed = await one.committed()
+    assert await one.committed_seq() == committed.seq
+    changes: Changes = {"alice": True}
+    assert await one.commit(delta_of(committed.seq + 1, committed.users, changes), changes)
+    assert await one.committed_seq() == committed.seq + 1
+
+
+async def test_a_recheck_runs_the_repair_and_delivery_goes_on(
+    shared_redis_cluster: RedisCluster,
+) -> None:
+    """What a node does when its view check finds a delta it never heard: the bus
+    places every channel again from a fresh map, then runs the reconnect callbacks."""
+    inbox = Inbox()
+    bus = RedisClusterBus(shared_redis_cluster.url)
+    await bus.start(inbox)
+    repaired: list[bool] = []
+    bus.on_reconnect(lambda: repaired.append(bus.connected))
+    try:
+        await bus.subscribe([PRESENCE])
+        bus.recheck()
+        await eventually(lambda: repaired == [True], 10, "the repair's callbacks")
+        await bus.publish(PRESENCE, b"after the recheck", local_fallback=False)
+        await eventually(lambda: inbox.on(PRESENCE) == [b"after the recheck"], 10, "delivery")
+    finally:
+        await bus.close()

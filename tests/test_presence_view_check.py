@@ -1,0 +1,121 @@
+"""A node's presence view against the committed seq: a delta that never arrives is
+found by the periodic check, and one merely in flight is not.
+
+Pub/sub may lose a delta without any connection noticing (a Redis Cluster
+subscription left on a primary being demoted). A gap shows only when a later
+delta arrives, so without this check the last delta before a quiet spell stayed
+lost: observers kept a stale list for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Collection
+from contextlib import AsyncExitStack
+
+import pytest
+
+from protocol.messages import PresenceDelta
+from server.presence.core import Changes, CommittedPresence, Member, UserStates
+from server.presence.node_presence import NodePresence
+from server.runtime.metrics import Registry
+from server.session import Session
+from server.store.memory import MemoryStore
+from tests.cluster.harness import eventually
+from tests.conftest import TEST_SETTINGS
+
+CHECK = 0.02
+WITHIN = 10.0
+
+
+class CommittedElsewhere:
+    """A backend whose commits happen on another node: the test sets what is committed."""
+
+    def __init__(self) -> None:
+        self.state = CommittedPresence(seq=3, users={"alice": True})
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def report(self, changes: Changes, changed_at: float) -> None:
+        return None
+
+    async def online(self, user_ids: Collection[str] | None) -> UserStates:
+        return {}
+
+    async def committed(self) -> CommittedPresence:
+        return CommittedPresence(self.state.seq, dict(self.state.users))
+
+    async def committed_seq(self) -> int | None:
+        return self.state.seq
+
+    async def commit(self, delta: PresenceDelta, changes: Changes) -> bool:
+        return False
+
+    async def lead(self) -> bool:
+        return False  # another node writes
+
+    async def members(self) -> list[Member]:
+        return []
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[tuple[NodePresence, CommittedElsewhere, Registry, list[str]]]:
+    backend = CommittedElsewhere()
+    metrics = Registry()
+    rechecks: list[str] = []
+    sessions: set[Session] = set()
+    presence = NodePresence(
+        TEST_SETTINGS,
+        backend,
+        MemoryStore(),
+        sessions,
+        sessions,
+        lambda _user: None,
+        metrics,
+        check_interval=CHECK,
+    )
+    presence.on_lost_delta(lambda: rechecks.append("recheck"))
+    async with AsyncExitStack() as stack:
+        await presence.start(stack)
+        yield presence, backend, metrics, rechecks
+
+
+def lost_deltas(metrics: Registry) -> float:
+    return metrics.value("ap_presence_lost_deltas_total")
+
+
+def at_seq(presence: NodePresence, seq: int) -> Callable[[], bool]:
+    return lambda: presence.view.seq == seq
+
+
+async def test_a_delta_that_never_arrives_reloads_the_view_and_asks_for_a_recheck(
+    running: tuple[NodePresence, CommittedElsewhere, Registry, list[str]],
+) -> None:
+    presence, backend, metrics, rechecks = running
+    assert presence.view.seq == 3
+    # Committed elsewhere; its delta is lost on the way to this node.
+    backend.state = CommittedPresence(seq=4, users={"alice": True, "bob": True})
+    await eventually(at_seq(presence, 4), WITHIN, "the view reloaded")
+    assert presence.view.visible == {"alice", "bob"}
+    assert lost_deltas(metrics) == 1
+    assert rechecks == ["recheck"]
+
+
+async def test_a_delta_in_flight_is_waited_for_not_reported_lost(
+    running: tuple[NodePresence, CommittedElsewhere, Registry, list[str]],
+) -> None:
+    presence, backend, metrics, rechecks = running
+    for seq in range(4, 9):
+        backend.state = CommittedPresence(seq=seq, users={"alice": True, f"u{seq}": True})
+        # Its delta comes before the check after next, however the loop is scheduled.
+        presence.delta(PresenceDelta(seq=seq, joins=(f"u{seq}",), leaves=(), total_count=2))
+        await eventually(at_seq(presence, seq), WITHIN, f"delta {seq} applied")
+    # Several checks pass with the view level with the committed seq.
+    await asyncio.sleep(CHECK * 5)
+    assert presence.view.seq == 8
+    assert lost_deltas(metrics) == 0
+    assert rechecks == []
