@@ -13,6 +13,7 @@ from server.auth.jwks import jwks_source
 from server.auth.verify import Authenticator, BotVerifier, CognitoVerifier, DevVerifier
 from server.bus.memory import MemoryBus
 from server.bus.streams import MemoryStreams
+from server.bus.topics import PRESENCE
 from server.config import Settings
 from server.coordination.bot_sessions import MemoryBotSessions
 from server.coordination.claims import MemoryClaims
@@ -134,9 +135,8 @@ def _cluster_node(settings: Settings, store: Store, metrics: Registry) -> Node:
     # Events published meanwhile are in the streams' history: fill the holes.
     bus.on_reconnect(node.delivery.check_streams)
     if isinstance(bus, RedisClusterBus):
-        # A delta the view check found lost may mean a subscription on a node
-        # that no longer serves its slot: place every channel again.
-        node.presence.on_lost_delta(bus.recheck)
+        # A delta the view check found lost may mean a dead subscription.
+        node.presence.on_lost_delta(lambda: bus.recheck(PRESENCE))
     backend.on_presumed_dead(lambda: node.registry.rewrite(node.sessions, node.node_id))
     return node
 

@@ -460,18 +460,24 @@ class RedisClusterBus(LocalDelivery):
         asyncio.get_running_loop().create_task(shard.close())
         self._start_repair(exc)
 
-    def recheck(self) -> None:
-        """Place every channel again from a fresh slot map, as after a lost shard.
+    def recheck(self, topic: str) -> None:
+        """Subscribe ``topic``'s shard again on a fresh connection, as after a loss.
 
         For a loss no connection reported (the presence view check found a delta
-        this node never heard): a subscription left on a node that no longer
-        serves its slot would deliver nothing and say nothing. The repair moves
-        what the fresh map places elsewhere, then runs the reconnect callbacks
+        this node never heard): after a whole cluster restart, a subscription
+        Redis took while the cluster re-formed was seen to deliver nothing and say
+        nothing. The shard is dropped and the repair attaches its channels anew
+        on the owners a fresh slot map names, then runs the reconnect callbacks
         (presence reload, held streams checked)."""
         if self._closing or self._handler is None:
             return
-        log.warning("Redis Cluster bus: rechecking every subscription against the slot map")
-        self._start_repair(_ShardLost("a recheck was asked for"))
+        home = self._home.get(channel_for(topic))
+        shard = self._shards.get(home) if home is not None else None
+        reason = _ShardLost(f"nothing heard on {topic} that Redis committed")
+        if shard is None:
+            self._start_repair(reason)
+        else:
+            self.lost(shard, reason)
 
     def _start_repair(self, exc: BaseException) -> None:
         self._healthy.clear()

@@ -22,6 +22,7 @@ from server.bus.topics import PRESENCE, PRESENCE_HINTS
 from server.presence.core import Changes, delta_of
 from server.presence.redis import RedisPresenceBackend
 from server.redis.keys import PRESENCE_NAMESPACE, channel_for
+from server.runtime.metrics import Registry
 from server.store.memory import MemoryStore
 from tests.cluster.harness import eventually
 from tests.services import RedisServer, free_port
@@ -236,20 +237,25 @@ async def test_committed_seq_is_the_seq_a_commit_left(backends: Backends) -> Non
     assert await one.committed_seq() == committed.seq + 1
 
 
-async def test_a_recheck_runs_the_repair_and_delivery_goes_on(
+async def test_a_recheck_subscribes_the_topics_shard_anew_and_delivery_goes_on(
     shared_redis_cluster: RedisCluster,
 ) -> None:
-    """What a node does when its view check finds a delta it never heard: the bus
-    places every channel again from a fresh map, then runs the reconnect callbacks."""
+    """What a node does when its view check finds a delta it never heard: the
+    topic's shard is dropped and attached again on a fresh connection, then the
+    reconnect callbacks run (presence reload, held streams checked)."""
     inbox = Inbox()
-    bus = RedisClusterBus(shared_redis_cluster.url)
+    metrics = Registry()
+    bus = RedisClusterBus(shared_redis_cluster.url, metrics=metrics)
     await bus.start(inbox)
     repaired: list[bool] = []
     bus.on_reconnect(lambda: repaired.append(bus.connected))
     try:
-        await bus.subscribe([PRESENCE])
-        bus.recheck()
+        await bus.subscribe([PRESENCE, PRESENCE_HINTS])
+        home = bus.shard_of(PRESENCE)
+        bus.recheck(PRESENCE)
+        assert metrics.value("ap_bus_shard_losses_total") == 1
         await eventually(lambda: repaired == [True], 10, "the repair's callbacks")
+        assert bus.shard_of(PRESENCE) == home  # the same owner, on a new connection
         await bus.publish(PRESENCE, b"after the recheck", local_fallback=False)
         await eventually(lambda: inbox.on(PRESENCE) == [b"after the recheck"], 10, "delivery")
     finally:
