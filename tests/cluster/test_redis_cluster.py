@@ -104,7 +104,7 @@ async def test_events_cross_nodes_on_every_shard_and_stay_on_their_own(nodes: Cl
         body["payload"]["seen"] = f"e{i}"
         assert await nodes.publish(source, body) == 202
     for client in watchers:
-        await client.wait_for(partial(got_all, client, [g for _, g in games]), 5)
+        await client.wait_for(partial(got_all, client, [g for _, g in games]), 5 + SLACK)
         for i, (_, game_id) in enumerate(games):
             assert got(client, game_id) == [f"e{i}"]
     # Presence lives in one slot: its delta channel is on exactly one primary.
@@ -216,14 +216,18 @@ async def test_kill_9_of_the_presence_primary_fails_over_without_a_client_gap(
     # The shard that kept its primary never stalled: every event of its game arrived.
     calm_sent = [s for s in sent if s.startswith(calm_game + "-")]
     for observer in observers:
-        await observer.wait_for(partial(got_more_than, observer, calm_game, len(calm_sent) - 1), 5)
+        await observer.wait_for(
+            partial(got_more_than, observer, calm_game, len(calm_sent) - 1), 5 + SLACK
+        )
         assert got(observer, calm_game) == calm_sent
     # No event was lost in the switch, and none arrived out of order: every
     # accepted event of the failed-over game, at consecutive offsets.
     hit_sent = [s for s in sent if s.startswith(hit_game + "-")]
     stream = f"game:chess#{hit_game}"
     for observer in observers:
-        await observer.wait_for(partial(got_more_than, observer, hit_game, len(hit_sent) - 1), 5)
+        await observer.wait_for(
+            partial(got_more_than, observer, hit_game, len(hit_sent) - 1), 5 + SLACK
+        )
         assert got(observer, hit_game) == hit_sent
         offsets = observer.offsets(stream)
         assert offsets == list(range(offsets[0], offsets[0] + len(offsets)))
