@@ -1,8 +1,9 @@
 """A node's presence view against the committed seq: a delta that never arrives is
 found by the periodic check, and one merely in flight is not.
 
-Pub/sub may lose a delta without any connection noticing (a Redis Cluster
-subscription left on a primary being demoted). A gap shows only when a later
+Pub/sub may lose a delta without any connection noticing (seen after a whole
+Redis Cluster restart: one node's subscription went silent while its connection
+stayed up). A gap shows only when a later
 delta arrives, so without this check the last delta before a quiet spell stayed
 lost: observers kept a stale list for good.
 """
