@@ -52,6 +52,25 @@ class GuardedConnection(ServerConnection):
     send_buffer_bytes = 0
     flooded = False
 
+    def attach(self, session: Session | None) -> None:
+        """``session`` serves this connection from now on (None: none does)."""
+        self.session = session
+        if session is not None:
+            session.write_paused = self.paused
+
+    # The transport pauses its protocol past the write buffer's high-water mark:
+    # mirrored on the session, where the fan-out reads it with the rest of its state.
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.session is not None:
+            self.session.write_paused = True
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.session is not None:
+            self.session.write_paused = False
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")

@@ -137,7 +137,7 @@ class Handler:
         start_clock(session, loop.time(), self.node.settings.ping_interval)
         logs.connection_id.set(session.connection_id)  # this task serves only this socket
         if isinstance(ws, GuardedConnection):
-            ws.session = session
+            ws.attach(session)
         if self.subscribe_timeout > 0:
             session.deadline = loop.call_later(self.subscribe_timeout, self._deadline, session)
         self.node.opened(session)
@@ -155,7 +155,7 @@ class Handler:
                 session.deadline.cancel()
             self.node.closed(session)
             if isinstance(ws, GuardedConnection):
-                ws.session = None  # no cycle between a closed socket and its session
+                ws.attach(None)  # no cycle between a closed socket and its session
             if self.reclaimer is not None:
                 self.reclaimer.closed()
 
