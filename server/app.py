@@ -13,12 +13,11 @@ import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from aiohttp import web
 from websockets.asyncio.server import Server
 
 from server import __version__, startup_notes
 from server.config import Settings
-from server.ingress.http import build_app
+from server.ingress.http import InternalHttp
 from server.ingress.websocket import serve_websocket
 from server.node import Node
 from server.runtime.pauses import PauseWatch
@@ -33,15 +32,17 @@ T = TypeVar("T")
 
 async def start_listeners(
     node: Node, reclaimer: Reclaimer | None = None
-) -> tuple[Server, web.AppRunner]:
+) -> tuple[Server, InternalHttp]:
     """The public WebSocket listener and the internal HTTP one."""
     ws_server = await serve_websocket(node, reclaimer)
     settings = node.settings
-    runner = web.AppRunner(build_app(node, settings), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.http_host, settings.http_port, backlog=1024)
-    await site.start()
-    return ws_server, runner
+    internal = InternalHttp(node, settings)
+    try:
+        await internal.start()
+    except BaseException:
+        ws_server.close()
+        raise
+    return ws_server, internal
 
 
 def bound_port(server: Server) -> int:
@@ -90,7 +91,7 @@ async def serve_forever(settings: Settings) -> None:
         if settings.clustered
         else "embedded (in-process bus)"
     )
-    ws_port, http_port = bound_port(ws_server), runner.addresses[0][1]
+    ws_port, http_port = bound_port(ws_server), runner.port
     log.info(
         "ap-realtime %s %s: ws://%s:%d, internal http://%s:%d, node %s, %s store; %s",
         __version__,
@@ -119,10 +120,10 @@ async def serve_forever(settings: Settings) -> None:
     await node.stop()
     with contextlib.suppress(Exception):
         await ws_server.wait_closed()
-    await runner.cleanup()
+    await runner.stop()
 
 
-async def _start(node: Node) -> tuple[Server, web.AppRunner, Reclaimer]:
+async def _start(node: Node) -> tuple[Server, InternalHttp, Reclaimer]:
     await node.start()
     reclaimer = Reclaimer(node.metrics)
     try:

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, settings
 from loadtest.harness.redis_cluster import RedisCluster, redis_cluster_for_tests
 from server.app import bound_port, start_listeners
 from server.config import Settings
+from server.ingress.http_server import HttpListener
 from server.node import Node
 from server.store.base import Store
 from server.store.dynamodb import create_table
@@ -49,6 +50,7 @@ class RunningServer:
     ws_url: str
     http_url: str
     clients: list[Client]
+    listener: HttpListener
 
     async def client(self, **kwargs: Any) -> Client:
         client = await Client.open(self.ws_url, **kwargs)
@@ -104,12 +106,13 @@ async def run_server(
     node = await build_node(settings, store)
     await node.start()
     ws_server, runner = await start_listeners(node)
-    http_port = runner.addresses[0][1]
+    http_port = runner.port
     running = RunningServer(
         node=node,
         ws_url=f"ws://127.0.0.1:{bound_port(ws_server)}/",
         http_url=f"http://127.0.0.1:{http_port}",
         clients=[],
+        listener=runner.listener,
     )
     try:
         yield running
@@ -119,7 +122,7 @@ async def run_server(
         ws_server.close(close_connections=False)
         await node.stop()
         await ws_server.wait_closed()
-        await runner.cleanup()
+        await runner.stop()
 
 
 # Hypothesis fails an example slower than 200 ms, and a strategy slow to draw from,

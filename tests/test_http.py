@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
-from tests.conftest import RunningServer
+import pytest
+
+from tests.conftest import PUBLISH_SECRET, RunningServer
 
 
 async def test_healthz_names_the_node(server: RunningServer) -> None:
@@ -100,3 +103,156 @@ async def test_the_operators_page_is_one_self_contained_file(server: RunningServ
     assert status == 200 and isinstance(page, str)
     assert page.startswith("<!doctype html>") and 'fetch("status"' in page
     assert "http://" not in page and "https://" not in page  # nothing from a CDN
+
+
+# --- the listener itself: keep-alive, pipelining, framing, refusals ------------------
+
+
+async def _exchange(
+    server: RunningServer, data: bytes, answers: int
+) -> list[tuple[int, bytes, bytes]]:
+    """Write ``data`` on one connection; read ``answers`` responses (status, head, body)."""
+    port = int(server.http_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    out = []
+    try:
+        writer.write(data)
+        for _ in range(answers):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            body = b"" if data.startswith(b"HEAD") else await reader.readexactly(length)
+            out.append((int(head.split(b" ")[1]), head, body))
+    finally:
+        writer.close()
+    return out
+
+
+def _post(body: bytes, *extra: str) -> bytes:
+    fields = "".join(f"{f}\r\n" for f in extra)
+    return (
+        f"POST /publish HTTP/1.1\r\nHost: n\r\nAuthorization: Bearer {PUBLISH_SECRET}\r\n"
+        f"{fields}Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+EVENT = b'{"verb":"game","payload":{"meta":"chess","id":"g1"}}'
+
+
+async def test_pipelined_requests_on_one_connection_are_answered_in_order(
+    server: RunningServer,
+) -> None:
+    data = _post(EVENT) + _post(EVENT) + b"GET /healthz HTTP/1.1\r\nHost: n\r\n\r\n"
+    answers = await _exchange(server, data, 3)
+    assert [status for status, _, _ in answers] == [202, 202, 200]
+    offsets = [
+        next(iter(json.loads(body)["positions"].values()))["offset"] for _, _, body in answers[:2]
+    ]
+    assert offsets[1] == offsets[0] + 1
+    assert json.loads(answers[2][2]) == {"status": "ok", "node": "test-node"}
+
+
+async def test_a_chunked_publish_after_100_continue(server: RunningServer) -> None:
+    watcher = await server.subscribed("alice", games=[("chess", "g1")])
+    port = int(server.http_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            f"POST /publish HTTP/1.1\r\nAuthorization: Bearer {PUBLISH_SECRET}\r\n"
+            "Expect: 100-continue\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == (
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+        )
+        writer.write(b"10\r\n" + EVENT[:16] + b"\r\n" + f"{len(EVENT) - 16:x}\r\n".encode())
+        writer.write(EVENT[16:] + b"\r\n0\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 202 Accepted\r\n")
+    finally:
+        writer.close()
+    await watcher.next_message(lambda m: m.get("verb") == "game")
+
+
+@pytest.mark.parametrize(
+    ("data", "status"),
+    [
+        (b"POST /publish HTTP/1.1\r\nContent-Length: x\r\n\r\n", 400),
+        (_post(b"x" * (128 * 1024 + 1)), 413),
+        (b"GET /healthz HTTP/3\r\n\r\n", 505),
+    ],
+)
+async def test_a_request_that_cannot_be_taken_is_answered_then_the_connection_closed(
+    server: RunningServer, data: bytes, status: int
+) -> None:
+    port = int(server.http_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data + b"GET /healthz HTTP/1.1\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: nothing after the refusal
+    finally:
+        writer.close()
+    assert answer.startswith(f"HTTP/1.1 {status} ".encode())
+    assert b"Connection: close\r\n" in answer and answer.count(b"\r\n\r\n") == 1
+    assert "error" in json.loads(answer.partition(b"\r\n\r\n")[2])
+
+
+async def test_wrong_methods_name_the_allowed_ones_and_head_sends_no_body(
+    server: RunningServer,
+) -> None:
+    ((status, head, _),) = await _exchange(server, b"DELETE /metrics HTTP/1.1\r\n\r\n", 1)
+    assert status == 405 and b"Allow: GET, HEAD\r\n" in head
+    ((status, head, body),) = await _exchange(server, b"HEAD /healthz HTTP/1.1\r\n\r\n", 1)
+    length = len(b'{"status":"ok","node":"test-node"}')
+    assert status == 200 and body == b"" and f"Content-Length: {length}\r\n".encode() in head
+
+
+async def test_the_sweep_closes_idle_and_stalled_connections_only(server: RunningServer) -> None:
+    from server.ingress import http_server
+
+    listener = server.listener
+    port = int(server.http_url.rsplit(":", 1)[1])
+    idle = await asyncio.open_connection("127.0.0.1", port)
+    stalled = await asyncio.open_connection("127.0.0.1", port)
+    stalled[1].write(b"POST /publish HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+    await asyncio.sleep(0.2)
+    assert len(listener.connections) == 2
+    now = asyncio.get_running_loop().time()
+    listener.sweep(now + http_server.REQUEST_SECONDS - 1)
+    assert len(listener.connections) == 2  # neither past its limit yet
+    listener.sweep(now + http_server.REQUEST_SECONDS + 1)
+    assert await asyncio.wait_for(stalled[0].read(), 5) == b""  # midway: 30 s is enough
+    assert len(listener.connections) == 1
+    listener.sweep(now + http_server.KEEPALIVE_SECONDS + 1)
+    assert await asyncio.wait_for(idle[0].read(), 5) == b""
+    for _, writer in (idle, stalled):
+        writer.close()
+
+
+def test_the_listener_runs_on_uvloop() -> None:
+    """The node runs on uvloop, whose transports are not asyncio's classes."""
+    import urllib.request
+
+    import uvloop
+
+    from server.ingress.http_server import HttpListener
+    from server.ingress.routes import Reply, Routes
+
+    async def main() -> tuple[int, bytes]:
+        async def hello(request: object) -> Reply:
+            return Reply(200, b"hi", "text/plain")
+
+        routes = Routes()
+        routes.add("GET", "/", hello)
+        listener = HttpListener(routes, 1024)
+        await listener.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{listener.port}/"
+
+        def get() -> tuple[int, bytes]:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.status, response.read()
+
+        try:
+            return await asyncio.to_thread(get)
+        finally:
+            await listener.stop()
+
+    assert uvloop.run(main()) == (200, b"hi")

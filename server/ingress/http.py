@@ -7,24 +7,31 @@ Every published event is named before its first attempt: by the publisher's
 ``Idempotency-Key`` header (a retry of the same request, even after a 503 or
 a lost answer, is appended once and answered with the first positions), or
 else by a name made here, which every internal retry reuses.
+
+``POST /publish`` comes once per game event, so what it costs is part of
+every event's fan-out: the listener is ``server.ingress.http_server`` over
+``protocol.http11``, not a framework whose request objects cost more than
+the event they carry.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 import logging
 from typing import Protocol
 
-from aiohttp import web
-
 from protocol.errors import ProtocolError
+from protocol.http11 import Request
 from protocol.messages import AdminTest, Broadcast, Position
 from protocol.parse import parse_broadcast
 from server.bus.streams import new_event_id
 from server.config import Settings
 from server.ingress import status
+from server.ingress.http_server import HttpListener
+from server.ingress.routes import Reply, Routes
 from server.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +41,9 @@ IDEMPOTENCY_PREFIX = "http:"
 """Names from publishers live apart from the bridges' and the server's own."""
 
 
-def event_name(request: web.Request) -> str | None:
+def event_name(request: Request) -> str | None:
     """The event's name: the publisher's key, or a new one. None: a bad key."""
-    key = request.headers.get("Idempotency-Key")
+    key = request.headers.get("idempotency-key")
     if key is None:
         return new_event_id()
     if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY or not key.isprintable():
@@ -57,82 +64,76 @@ class HttpHub(status.StatusSource, Protocol):
     def readiness(self) -> dict[str, bool]: ...
 
 
-def _json(status: int, body: dict[str, object]) -> web.Response:
-    return web.json_response(body, status=status)
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, or its first ``limit`` bytes: ``content.read(n)`` returns
-    only what has arrived so far, so a body split across TCP writes needs a loop."""
-    parts: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = await request.content.read(limit - size)
-        if not chunk:
-            break
-        parts.append(chunk)
-        size += len(chunk)
-    return b"".join(parts)
-
-
-def build_app(node: HttpHub, settings: Settings) -> web.Application:
+def build_routes(node: HttpHub, settings: Settings) -> tuple[Routes, status.History]:
     secret = settings.publish_secret
+    expected = f"Bearer {secret}".encode() if secret is not None else b""
 
-    async def publish(request: web.Request) -> web.Response:
+    async def publish(request: Request) -> Reply:
         if secret is None:
-            return _json(503, {"error": "publishing is disabled: no --publish-secret is set"})
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {secret}".encode()):
-            return _json(401, {"error": "missing or wrong bearer secret"})
-        if request.content_length is not None and request.content_length > MAX_PUBLISH_BYTES:
-            return _json(413, {"error": f"body over {MAX_PUBLISH_BYTES} bytes"})
-        body = await read_body(request, MAX_PUBLISH_BYTES + 1)
-        if len(body) > MAX_PUBLISH_BYTES:
-            return _json(413, {"error": f"body over {MAX_PUBLISH_BYTES} bytes"})
+            return Reply.error(503, "publishing is disabled: no --publish-secret is set")
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), expected):
+            return Reply.error(401, "missing or wrong bearer secret")
         try:
-            message = parse_broadcast(body)
+            message = parse_broadcast(request.body)
         except ProtocolError as exc:
-            return _json(400, {"error": exc.message, "code": exc.code})
+            return Reply.error(400, exc.message, code=exc.code)
         event_id = event_name(request)
         if event_id is None:
-            return _json(
-                400,
-                {"error": f"Idempotency-Key: 1 to {MAX_IDEMPOTENCY_KEY} printable characters"},
+            return Reply.error(
+                400, f"Idempotency-Key: 1 to {MAX_IDEMPOTENCY_KEY} printable characters"
             )
         try:
             positions = await node.publish(message, event_id=event_id)
         except Exception as exc:
             log.warning("publish failed: %s", exc)
-            return _json(503, {"error": "the bus could not take the event"})
+            return Reply.error(503, "the bus could not take the event")
         reply: dict[str, object] = {"accepted": True}
         if not isinstance(message.event, AdminTest):
             # Empty when Redis was away and only this node's clients heard it.
             reply["positions"] = {
                 stream: {"epoch": p.epoch, "offset": p.offset} for stream, p in positions.items()
             }
-        return _json(202, reply)
+        return Reply.json(202, reply)
 
-    async def healthz(request: web.Request) -> web.Response:
-        return _json(200, {"status": "ok", "node": node.node_id})
+    async def healthz(request: Request) -> Reply:
+        return Reply.json(200, {"status": "ok", "node": node.node_id})
 
-    async def readyz(request: web.Request) -> web.Response:
+    async def readyz(request: Request) -> Reply:
         checks = node.readiness()
-        status = 200 if all(checks.values()) else 503
-        return web.Response(
-            status=status,
-            text=json.dumps({"ready": status == 200, **checks}),
-            content_type="application/json",
-        )
+        ready = all(checks.values())
+        return Reply.json(200 if ready else 503, {"ready": ready, **checks})
 
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(
-            body=node.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE}
-        )
+    async def metrics(request: Request) -> Reply:
+        return Reply(200, node.metrics.render().encode(), METRICS_CONTENT_TYPE)
 
-    app = web.Application(client_max_size=MAX_PUBLISH_BYTES)
-    app.router.add_post("/publish", publish)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    status.add_routes(app, node, settings)
-    return app
+    routes = Routes()
+    routes.add("POST", "/publish", publish)
+    routes.add("GET", "/healthz", healthz)
+    routes.add("GET", "/readyz", readyz)
+    routes.add("GET", "/metrics", metrics)
+    history = status.add_routes(routes, node, settings)
+    return routes, history
+
+
+class InternalHttp:
+    """The running listener, and the status page's sampling beside it."""
+
+    def __init__(self, node: HttpHub, settings: Settings) -> None:
+        routes, self._history = build_routes(node, settings)
+        self._settings = settings
+        self.listener = HttpListener(routes, MAX_PUBLISH_BYTES)
+        self._sampling: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.listener.start(self._settings.http_host, self._settings.http_port)
+        self._sampling = asyncio.create_task(self._history.run(), name="status-history")
+
+    @property
+    def port(self) -> int:
+        return self.listener.port
+
+    async def stop(self) -> None:
+        if self._sampling is not None:
+            await cancel_and_wait(self._sampling)
+        await self.listener.stop()

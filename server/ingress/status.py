@@ -12,15 +12,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sized
+from collections.abc import Sized
 from importlib import resources
 from typing import Any, Protocol
 
-from aiohttp import web
-
+from protocol.http11 import Request
 from server.config import Settings
+from server.ingress.routes import Reply, Routes
 from server.runtime.metrics import Registry
-from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -111,20 +110,16 @@ async def status(node: StatusSource, settings: Settings, history: History) -> di
     }
 
 
-def add_routes(app: web.Application, node: StatusSource, settings: Settings) -> None:
+def add_routes(routes: Routes, node: StatusSource, settings: Settings) -> History:
+    """``GET /`` and ``GET /status``; the history the listener samples while it runs."""
     history = History(node)
 
-    async def page(request: web.Request) -> web.Response:
-        return web.Response(body=PAGE, content_type="text/html", charset="utf-8")
+    async def page(request: Request) -> Reply:
+        return Reply(200, PAGE, "text/html; charset=utf-8")
 
-    async def status_json(request: web.Request) -> web.Response:
-        return web.json_response(await status(node, settings, history))
+    async def status_json(request: Request) -> Reply:
+        return Reply.json(200, await status(node, settings, history))
 
-    async def sampling(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(history.run(), name="status-history")
-        yield
-        await cancel_and_wait(task)
-
-    app.cleanup_ctx.append(sampling)
-    app.router.add_get("/", page)
-    app.router.add_get("/status", status_json)
+    routes.add("GET", "/", page)
+    routes.add("GET", "/status", status_json)
+    return history
