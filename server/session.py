@@ -96,17 +96,23 @@ class TurnWrites:
     open is checked at the flush, once per socket.
     """
 
-    __slots__ = ("dirty", "scheduled", "traffic")
+    __slots__ = ("dirty", "loop", "scheduled", "traffic")
 
     def __init__(self, traffic: Traffic) -> None:
         self.traffic = traffic
         self.dirty: list[Session] = []  # sessions with frames pending this turn
         self.scheduled = False
+        # The node's loop, held from its first turn: asyncio.get_running_loop()
+        # costs a getpid() system call on CPython 3.11.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def schedule(self) -> None:
         if not self.scheduled:
             self.scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            loop = self.loop
+            if loop is None:
+                loop = self.loop = asyncio.get_running_loop()
+            loop.call_soon(self.flush)
 
     def flush(self) -> None:
         self.scheduled = False

@@ -25,6 +25,9 @@ class MemoryBus:
         self._hub = hub if hub is not None else MemoryHub()
         self._handler: MessageHandler | None = None
         self._topics: set[str] = set()
+        # Its loop, held from start: asyncio.get_running_loop() costs a getpid()
+        # system call on CPython 3.11, and this runs once per event.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def hub(self) -> MemoryHub:
@@ -40,6 +43,7 @@ class MemoryBus:
 
     async def start(self, handler: MessageHandler) -> None:
         self._handler = handler
+        self._loop = asyncio.get_running_loop()
 
     async def close(self) -> None:
         await self.unsubscribe(list(self._topics))
@@ -51,7 +55,7 @@ class MemoryBus:
 
     def publish_now(self, topic: str, data: bytes) -> None:
         """``publish`` without a suspension point, for callers that must not yield."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         for bus in self._hub.subscribers.get(topic, ()):
             # Deliver on a later loop turn, in order, as a network bus would.
             loop.call_soon(bus._deliver, topic, data)
