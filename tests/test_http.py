@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tests.conftest import PUBLISH_SECRET, RunningServer
+from tests.test_hardening import wait_until
 
 
 async def test_healthz_names_the_node(server: RunningServer) -> None:
@@ -256,3 +257,33 @@ def test_the_listener_runs_on_uvloop() -> None:
             await listener.stop()
 
     assert uvloop.run(main()) == (200, b"hi")
+
+
+async def test_a_client_that_pipelines_without_reading_is_not_read_either(
+    server: RunningServer,
+) -> None:
+    """Answers wait in our buffer only up to its high-water mark; then its requests
+    wait in the kernel. Synchronous answers (404) come in a loop, not a recursion."""
+    port = int(server.http_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2**20)
+    requests = 6000
+    try:
+        for n in range(requests):
+            path = "/metrics" if n % 2 else "/nope"
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: n\r\n\r\n".encode())
+        await asyncio.sleep(0.5)
+        (connection,) = server.listener.connections
+        await wait_until(lambda: connection.write_blocked)
+        assert connection.reading_paused and connection.transport is not None
+        high = connection.transport.get_write_buffer_limits()[1]
+        biggest = 64 * 1024  # a /metrics answer is a few KiB
+        assert connection.transport.get_write_buffer_size() <= high + biggest
+        statuses = []
+        for _ in range(requests):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            statuses.append(int(head.split(b" ")[1]))
+        assert statuses == [404, 200] * (requests // 2)
+    finally:
+        writer.close()

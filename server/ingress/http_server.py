@@ -2,7 +2,9 @@
 
 Each request costs one read, one handler and one write; the parsing is
 ``protocol.http11``'s. A connection serves its requests one at a time and
-answers them in order (pipelining). A connection that sits idle for
+answers them in order (pipelining); while its client does not read the answers
+(the transport's write buffer is past its high-water mark), or while it has
+sent far ahead of the request being served, it is not read. A connection that sits idle for
 ``KEEPALIVE_SECONDS``, or takes longer than ``REQUEST_SECONDS`` to send a
 request it has begun, is closed by a sweep rather than a timer per request.
 """
@@ -40,8 +42,9 @@ class HttpConnection(asyncio.Protocol):
         "lingering",
         "listener",
         "parser",
-        "paused",
+        "reading_paused",
         "transport",
+        "write_blocked",
     )
 
     def __init__(self, listener: HttpListener) -> None:
@@ -52,7 +55,8 @@ class HttpConnection(asyncio.Protocol):
         self.active_at = 0.0  # loop time of the last byte read, or of the last answer
         self.closing = False
         self.lingering = False
-        self.paused = False
+        self.reading_paused = False
+        self.write_blocked = False  # the client is not reading our answers
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -70,61 +74,85 @@ class HttpConnection(asyncio.Protocol):
             return
         self.active_at = self.listener.loop.time()
         self.parser.feed(data)
-        if self.busy is None:
+        if self.busy is None and not self.write_blocked:
             self._next()
-        elif self.parser.buffered > PAUSE_BUFFERED_BYTES and not self.paused:
-            self.paused = True
-            assert self.transport is not None
-            self.transport.pause_reading()
+        else:
+            self._pace_reading()
 
     def eof_received(self) -> bool | None:
         if self.busy is None or self.lingering:
             self.close()
         return True  # a request being served still gets its answer, then the close
 
+    # Past the transport's high-water mark the client is not reading what we send:
+    # its next requests wait (and reading stops) until it does.
+
+    def pause_writing(self) -> None:
+        self.write_blocked = True
+        self._pace_reading()
+
+    def resume_writing(self) -> None:
+        self.write_blocked = False
+        if self.busy is None:
+            self._next()
+
     def close(self) -> None:
         self.closing = True
         if self.transport is not None:
             self.transport.close()
 
+    def _pace_reading(self) -> None:
+        """Read while answers can leave and pipelined bytes stay few; else stop reading."""
+        transport = self.transport
+        if transport is None or self.lingering or transport.is_closing():
+            return
+        pause = self.write_blocked or (
+            self.busy is not None and self.parser.buffered > PAUSE_BUFFERED_BYTES
+        )
+        if pause != self.reading_paused:
+            self.reading_paused = pause
+            if pause:
+                transport.pause_reading()
+            else:
+                transport.resume_reading()
+
     def _linger(self) -> None:
         """Answered for the last time: send our end's EOF, then drop what still comes."""
         transport = self.transport
         assert transport is not None
-        self.closing = self.lingering = True
-        if self.paused:
-            self.paused = False
+        if self.reading_paused:
+            self.reading_paused = False
             transport.resume_reading()
+        self.closing = self.lingering = True
         if transport.can_write_eof():
             transport.write_eof()
         self.listener.loop.call_later(LINGER_SECONDS, transport.close)
 
     def _next(self) -> None:
-        """Serve the next whole request, if one has arrived."""
-        if self.closing:
-            return
+        """Serve the requests that have arrived, in order, until one has to wait."""
         transport = self.transport
         assert transport is not None
-        try:
-            request = self.parser.next_request()
-        except HttpError as exc:
-            self.listener.refused += 1
-            reply = Reply.error(exc.status, exc.message)
-            transport.write(response(exc.status, reply.body, reply.content_type, keep_alive=False))
-            self._linger()
-            return
-        if request is None:
-            if self.parser.take_continue():
-                transport.write(CONTINUE)
-            if self.paused:
-                self.paused = False
-                transport.resume_reading()
-            return
-        found = self.listener.routes.find(request.method, request.path)
-        if isinstance(found, Reply):
-            self._answer(request, found)
-            return
-        self.busy = self.listener.loop.create_task(self._serve(request, found(request)))
+        while not self.closing and self.busy is None and not self.write_blocked:
+            try:
+                request = self.parser.next_request()
+            except HttpError as exc:
+                self.listener.refused += 1
+                reply = Reply.error(exc.status, exc.message)
+                transport.write(
+                    response(exc.status, reply.body, reply.content_type, keep_alive=False)
+                )
+                self._linger()
+                return
+            if request is None:
+                if self.parser.take_continue():
+                    transport.write(CONTINUE)
+                break
+            found = self.listener.routes.find(request.method, request.path)
+            if isinstance(found, Reply):
+                self._answer(request, found)
+            else:
+                self.busy = self.listener.loop.create_task(self._serve(request, found(request)))
+        self._pace_reading()
 
     async def _serve(self, request: Request, reply: Awaitable[Reply]) -> None:
         try:
@@ -134,6 +162,7 @@ class HttpConnection(asyncio.Protocol):
             answer = Reply.error(500, "internal error")
         self.busy = None
         self._answer(request, answer)
+        self._next()  # a pipelined request may be waiting
 
     def _answer(self, request: Request, reply: Reply) -> None:
         keep_alive = request.keep_alive and not self.listener.stopping
@@ -152,11 +181,6 @@ class HttpConnection(asyncio.Protocol):
         self.active_at = self.listener.loop.time()
         if not keep_alive:
             self._linger()
-        elif self.parser.buffered:
-            self._next()  # a pipelined request is waiting
-        elif self.paused:
-            self.paused = False
-            self.transport.resume_reading()
 
 
 class HttpListener:
