@@ -287,3 +287,18 @@ async def test_a_client_that_pipelines_without_reading_is_not_read_either(
         assert statuses == [404, 200] * (requests // 2)
     finally:
         writer.close()
+
+
+async def test_requests_sent_before_the_clients_eof_are_answered_then_closed(
+    server: RunningServer,
+) -> None:
+    port = int(server.http_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(_post(EVENT) + b"GET /healthz HTTP/1.1\r\n\r\n")
+        writer.write_eof()
+        answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: closed once answered
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 202 Accepted\r\n")
+    assert answer.count(b"HTTP/1.1 200 OK\r\n") == 1

@@ -39,6 +39,7 @@ class HttpConnection(asyncio.Protocol):
         "active_at",
         "busy",
         "closing",
+        "ended",
         "lingering",
         "listener",
         "parser",
@@ -54,6 +55,7 @@ class HttpConnection(asyncio.Protocol):
         self.busy: asyncio.Task[None] | None = None
         self.active_at = 0.0  # loop time of the last byte read, or of the last answer
         self.closing = False
+        self.ended = False  # the client sent EOF: answer what it sent, then close
         self.lingering = False
         self.reading_paused = False
         self.write_blocked = False  # the client is not reading our answers
@@ -80,6 +82,7 @@ class HttpConnection(asyncio.Protocol):
             self._pace_reading()
 
     def eof_received(self) -> bool | None:
+        self.ended = True
         if self.busy is None or self.lingering:
             self.close()
         return True  # a request being served still gets its answer, then the close
@@ -136,7 +139,6 @@ class HttpConnection(asyncio.Protocol):
             try:
                 request = self.parser.next_request()
             except HttpError as exc:
-                self.listener.refused += 1
                 reply = Reply.error(exc.status, exc.message)
                 transport.write(
                     response(exc.status, reply.body, reply.content_type, keep_alive=False)
@@ -152,6 +154,9 @@ class HttpConnection(asyncio.Protocol):
                 self._answer(request, found)
             else:
                 self.busy = self.listener.loop.create_task(self._serve(request, found(request)))
+        if self.ended and self.busy is None and not self.write_blocked:
+            self.close()  # every request it sent before its EOF is answered
+            return
         self._pace_reading()
 
     async def _serve(self, request: Request, reply: Awaitable[Reply]) -> None:
@@ -192,7 +197,6 @@ class HttpListener:
         self.loop = asyncio.get_running_loop()
         self.connections: set[HttpConnection] = set()
         self.stopping = False
-        self.refused = 0  # requests answered 4xx/5xx by the parser
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
