@@ -80,7 +80,7 @@ async def serve_forever(settings: Settings) -> None:
     if started is None:
         log.info("stopped during start-up")  # _start closed what it had opened
         return
-    ws_server, runner, reclaimer = started
+    ws_server, internal_http, reclaimer = started
     gc.freeze()  # what start-up allocated lives as long as the process
     pauses = PauseWatch(node.metrics)
     pauses.start()
@@ -91,7 +91,7 @@ async def serve_forever(settings: Settings) -> None:
         if settings.clustered
         else "embedded (in-process bus)"
     )
-    ws_port, http_port = bound_port(ws_server), runner.port
+    ws_port, http_port = bound_port(ws_server), internal_http.port
     log.info(
         "ap-realtime %s %s: ws://%s:%d, internal http://%s:%d, node %s, %s store; %s",
         __version__,
@@ -120,19 +120,19 @@ async def serve_forever(settings: Settings) -> None:
     await node.stop()
     with contextlib.suppress(Exception):
         await ws_server.wait_closed()
-    await runner.stop()
+    await internal_http.stop()
 
 
 async def _start(node: Node) -> tuple[Server, InternalHttp, Reclaimer]:
     await node.start()
     reclaimer = Reclaimer(node.metrics)
     try:
-        ws_server, runner = await start_listeners(node, reclaimer)
+        ws_server, internal_http = await start_listeners(node, reclaimer)
     except BaseException:
         await node.stop()
         raise
     reclaimer.start()
-    return ws_server, runner, reclaimer
+    return ws_server, internal_http, reclaimer
 
 
 async def _until_signal(signals: asyncio.Queue[int], work: Coroutine[Any, Any, T]) -> T | None:

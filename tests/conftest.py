@@ -105,14 +105,14 @@ async def run_server(
 ) -> AsyncIterator[RunningServer]:
     node = await build_node(settings, store)
     await node.start()
-    ws_server, runner = await start_listeners(node)
-    http_port = runner.port
+    ws_server, internal_http = await start_listeners(node)
+    http_port = internal_http.port
     running = RunningServer(
         node=node,
         ws_url=f"ws://127.0.0.1:{bound_port(ws_server)}/",
         http_url=f"http://127.0.0.1:{http_port}",
         clients=[],
-        listener=runner.listener,
+        listener=internal_http.listener,
     )
     try:
         yield running
@@ -122,7 +122,7 @@ async def run_server(
         ws_server.close(close_connections=False)
         await node.stop()
         await ws_server.wait_closed()
-        await runner.stop()
+        await internal_http.stop()
 
 
 # Hypothesis fails an example slower than 200 ms, and a strategy slow to draw from,
