@@ -180,8 +180,9 @@ def _server_rows(name: str, figs: dict[str, Any]) -> list[tuple[str, str, str]]:
         t = figs["close_to_recovered_s"]
         add("clients x nodes", f"{figs['clients']} x {figs['nodes']}")
         add(
-            "events accepted / publish failures",
-            f"{figs['accepted_events']} / {figs['publish_failures']}",
+            "events accepted / publish failures / retries",
+            f"{figs['accepted_events']} / {figs['publish_failures']}"
+            f" / {figs.get('publish_retries', 0)}",
         )
         add("deliveries expected (client x event)", figs["deliveries_expected"])
         add(

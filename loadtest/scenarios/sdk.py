@@ -9,8 +9,9 @@ kill -9 and a rolling restart of every node, counting what the handlers see.
   and knows all three nodes, its own first.
 - Once every client is connected, a publisher posts events at ``--rate`` per
   second through the live nodes: ``game`` events to random games and, one in
-  ten, a ``notification`` to a random user. It keeps the position of each one
-  accepted (202).
+  ten, a ``notification`` to a random user, each named by an
+  ``Idempotency-Key`` and tried on the next node after a failure. It keeps the
+  position of each one accepted (202), and counts the retries.
 - After ``--duration`` seconds, a rolling restart: each node in turn gets SIGTERM
   (it drains over ``--drain-seconds`` with 1012) and starts again on its ports,
   the next only once every client is connected again. Then ``kill -9`` of the
@@ -36,6 +37,7 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +107,8 @@ class Publishing:
     accepted: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     published: int = 0
     failures: int = 0
+    retries: int = 0  # attempts after the first: a 503, a refused or lost answer
+    retry_causes: Counter[str] = field(default_factory=Counter)  # what each failed attempt got
 
 
 def plans(run: Run, urls: list[str]) -> list[ClientPlan]:
@@ -242,15 +246,21 @@ async def publish(
     rng: random.Random,
 ) -> None:
     headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
+    run_id = uuid.uuid4().hex[:8]
     tasks: set[asyncio.Task[None]] = set()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
 
         async def post(serial: int, body: bytes) -> None:
+            # As a publisher should: the event is named, so a retry after a lost
+            # answer (a node killed between its append and its reply) is the same
+            # event, answered with its first position, not a second one.
+            named = {**headers, "Idempotency-Key": f"sdk-{run_id}-{serial}"}
             for attempt in range(len(nodes)):
                 node = nodes[(serial + attempt) % len(nodes)]
                 url = f"http://{HOST}:{node.proc.http_port}/publish"
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with http.post(url, data=body, headers=headers) as response:
+                out.retries += attempt > 0
+                try:
+                    async with http.post(url, data=body, headers=named) as response:
                         reply = await response.json(content_type=None)
                         if response.status == 202 and reply.get("positions"):
                             for stream, position in reply["positions"].items():
@@ -258,6 +268,10 @@ async def publish(
                                     (position["epoch"], position["offset"])
                                 )
                             return
+                        cause = f"{response.status} {reply.get('error', 'no positions')}"
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    cause = type(exc).__name__
+                out.retry_causes[cause] += 1
             out.failures += 1
 
         start = time.monotonic()
@@ -573,6 +587,8 @@ def _figures(
         "published": publishing.published,
         "accepted_events": accepted_events,
         "publish_failures": publishing.failures,
+        "publish_retries": publishing.retries,
+        "publish_retry_causes": dict(publishing.retry_causes),
         "deliveries_expected": sum(r["expected"] for r in results),
         "missed": missed,
         "duplicated": duplicated,
