@@ -107,8 +107,13 @@ class Publishing:
     accepted: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     published: int = 0
     failures: int = 0
-    retries: int = 0  # attempts after the first: a 503, a refused or lost answer
-    retry_causes: Counter[str] = field(default_factory=Counter)  # what each failed attempt got
+    # What each failed attempt got (a 503, a refused or lost answer): every one but
+    # a failed event's last was followed by a retry.
+    failed_attempts: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def retries(self) -> int:
+        return sum(self.failed_attempts.values()) - self.failures
 
 
 def plans(run: Run, urls: list[str]) -> list[ClientPlan]:
@@ -258,7 +263,6 @@ async def publish(
             for attempt in range(len(nodes)):
                 node = nodes[(serial + attempt) % len(nodes)]
                 url = f"http://{HOST}:{node.proc.http_port}/publish"
-                out.retries += attempt > 0
                 try:
                     async with http.post(url, data=body, headers=named) as response:
                         reply = await response.json(content_type=None)
@@ -271,7 +275,7 @@ async def publish(
                         cause = f"{response.status} {reply.get('error', 'no positions')}"
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     cause = type(exc).__name__
-                out.retry_causes[cause] += 1
+                out.failed_attempts[cause] += 1
             out.failures += 1
 
         start = time.monotonic()
@@ -588,7 +592,7 @@ def _figures(
         "accepted_events": accepted_events,
         "publish_failures": publishing.failures,
         "publish_retries": publishing.retries,
-        "publish_retry_causes": dict(publishing.retry_causes),
+        "publish_failed_attempts": dict(publishing.failed_attempts),
         "deliveries_expected": sum(r["expected"] for r in results),
         "missed": missed,
         "duplicated": duplicated,

@@ -52,10 +52,7 @@ class Routes:
         handler = methods.get("GET" if method == "HEAD" else method)
         if handler is None:
             allowed = sorted({*methods, *(("HEAD",) if "GET" in methods else ())})
-            return Reply(
-                405,
-                _dumps({"error": f"{method} not allowed on {path}"}).encode(),
-                JSON,
-                (("Allow", ", ".join(allowed)),),
-            )
+            refusal = Reply.error(405, f"{method} not allowed on {path}")
+            refusal.headers = (("Allow", ", ".join(allowed)),)
+            return refusal
         return handler
