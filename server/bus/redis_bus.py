@@ -19,22 +19,23 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from server.bus.base import BusDown, MessageHandler
-from server.redis.client import RedisUnavailable, close_pubsub, make_client
+from server.redis.client import RedisUnavailable, make_client, subscriber_connection
 from server.redis.keys import channel_for
+from server.redis.subscriber import Push, Subscriber
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Counter, Registry
 from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+CONFIRM_TIMEOUT_S = 5.0
+"""How long Redis has to confirm subscriptions (the barrier ``PING``'s answer)."""
 
 ReconnectCallback = Callable[[], None]
 """Called on the reader task after a reconnect, before any new message is delivered."""
@@ -114,21 +115,19 @@ class RedisBus(LocalDelivery):
         self._max_backoff = max_backoff
         # One retry: a pooled connection that died with the last Redis fails once.
         self._client = make_client(url, retries=1)
-        # No retries on the subscriber: a failure must surface so that the
-        # reader starts a fresh connection and the node learns it missed messages.
-        # Named (``ap-sub:<node>``) so an operator, or a test, can find it in CLIENT LIST.
-        self._sub_client = make_client(
-            url, retries=0, client_name=f"ap-sub:{name}" if name else None
-        )
+        # The subscriber never reconnects by itself: a failure must surface so
+        # that the reader starts a fresh connection and the node learns it missed
+        # messages. Named (``ap-sub:<node>``) so an operator, or a test, can find
+        # it in CLIENT LIST.
+        self._sub_name = f"ap-sub:{name}" if name else None
         self._handler: MessageHandler | None = None
         self._topics: set[str] = set()
         self._by_channel: dict[bytes, str] = {}
-        self._pubsub: PubSub | None = None  # set while attached and subscribed
+        self._subscriber: Subscriber | None = None  # set while attached and subscribed
         self._attached = asyncio.Event()
         self._connected_since = 0.0
         self._ever_attached = False
         self._reconnected_at: float | None = None
-        self._barriers: dict[bytes, asyncio.Future[bool]] = {}
         self._callbacks: list[ReconnectCallback] = []
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
@@ -183,9 +182,8 @@ class RedisBus(LocalDelivery):
         self._handler = None
         self._topics.clear()
         self._by_channel.clear()
-        for client in (self._client, self._sub_client):
-            with contextlib.suppress(Exception):
-                await client.aclose()
+        with contextlib.suppress(Exception):
+            await self._client.aclose()
 
     # --- publish and subscribe ----------------------------------------------
 
@@ -210,15 +208,17 @@ class RedisBus(LocalDelivery):
                 self._topics.add(topic)
                 self._by_channel[channel_for(topic).encode()] = topic
                 added.append(topic)
-        pubsub = self._pubsub
-        if pubsub is None:
+        subscriber = self._subscriber
+        if subscriber is None:
             return  # a reconnect subscribes every current topic
         try:
             if added:
-                await pubsub.subscribe(*[channel_for(topic) for topic in added])
+                subscriber.send(("SUBSCRIBE", *[channel_for(topic) for topic in added]))
             # Even with nothing new, wait: a SUBSCRIBE sent by another caller
             # for these topics is confirmed once this barrier is.
-            await self._barrier(pubsub)
+            await subscriber.barrier()
+        except TimeoutError:
+            log.warning("Redis did not confirm a subscription within %gs", CONFIRM_TIMEOUT_S)
         except (RedisError, OSError) as exc:
             log.debug("subscribe deferred to the next reconnect: %s", exc)
 
@@ -229,35 +229,27 @@ class RedisBus(LocalDelivery):
                 self._topics.discard(topic)
                 self._by_channel.pop(channel_for(topic).encode(), None)
                 removed.append(topic)
-        pubsub = self._pubsub
-        if not removed or pubsub is None:
+        subscriber = self._subscriber
+        if not removed or subscriber is None:
             return
         # Messages already on their way are dropped: the channel is out of _by_channel.
         with contextlib.suppress(RedisError, OSError):
-            await pubsub.unsubscribe(*[channel_for(topic) for topic in removed])
-
-    async def _barrier(self, pubsub: PubSub) -> None:
-        """Wait until Redis has handled every command sent so far on ``pubsub``."""
-        timeout = 5.0
-        token = uuid.uuid4().hex.encode()
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._barriers[token] = future
-        try:
-            await pubsub.ping(token)
-            await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            log.warning("Redis did not confirm a subscription within %gs", timeout)
-        finally:
-            self._barriers.pop(token, None)
+            subscriber.send(("UNSUBSCRIBE", *[channel_for(topic) for topic in removed]))
 
     # --- the reader ---------------------------------------------------------
 
     async def _run(self) -> None:
         retrying = Backoff(first=0.1, cap=self._max_backoff).start()
         while not self._closing:
-            pubsub = self._sub_client.pubsub()
+            subscriber = Subscriber(
+                subscriber_connection(self.url, client_name=self._sub_name),
+                self._dispatch,
+                keepalive=self._keepalive,
+                confirm_timeout=CONFIRM_TIMEOUT_S,
+                name="bus",
+            )
             try:
-                backlog = await self._attach(pubsub)
+                await self._attach(subscriber)
                 retrying.reset()
                 if self._ever_attached:
                     self._reconnects.inc()
@@ -269,78 +261,43 @@ class RedisBus(LocalDelivery):
                         except Exception:
                             log.exception("reconnect callback failed")
                 self._ever_attached = True
-                for message in backlog:
-                    self._dispatch(message)
-                await self._read(pubsub)
+                subscriber.release()
+                await subscriber.run()
             except Exception as exc:  # any failure means: start over on a fresh connection
                 if retrying.failures == 0:
                     log.warning("Redis bus connection lost: %s", exc or type(exc).__name__)
             finally:
                 self._detach()
-                await close_pubsub(pubsub)
+                await subscriber.close()
             await retrying.wait()
 
-    async def _attach(self, pubsub: PubSub) -> list[dict[str, Any]]:
-        """Subscribe every topic on a fresh connection; return messages read meanwhile."""
+    async def _attach(self, subscriber: Subscriber) -> None:
+        """Subscribe every topic on a fresh connection and wait for Redis to confirm."""
         subscribed = set(self._topics)
+        await subscriber.open()
         if subscribed:
-            await pubsub.subscribe(*[channel_for(topic) for topic in subscribed])
-        else:
-            await pubsub.connect()  # type: ignore[no-untyped-call]
-        token = uuid.uuid4().hex.encode()
-        await pubsub.ping(token)
-        backlog: list[dict[str, Any]] = []
-        deadline = time.monotonic() + 5.0
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("Redis did not confirm the subscriptions")
-            message = await pubsub.get_message(timeout=remaining)
-            if message is None:
-                continue
-            if message["type"] == "pong" and message["data"] == token:
-                break
-            backlog.append(message)
-        # Topics changed while subscribing: bring Redis in line without waiting.
-        self._pubsub = pubsub
+            subscriber.send(("SUBSCRIBE", *[channel_for(topic) for topic in subscribed]))
+        try:
+            await subscriber.barrier()
+        except TimeoutError:
+            raise TimeoutError("Redis did not confirm the subscriptions") from None
+        self._subscriber = subscriber
         self._connected_since = time.monotonic()
         self._attached.set()
+        # Topics changed while subscribing: bring Redis in line without waiting.
         added = self._topics - subscribed
         removed = subscribed - self._topics
         if added:
-            await pubsub.subscribe(*[channel_for(topic) for topic in added])
+            subscriber.send(("SUBSCRIBE", *[channel_for(topic) for topic in added]))
         if removed:
-            await pubsub.unsubscribe(*[channel_for(topic) for topic in removed])
-        return backlog
+            subscriber.send(("UNSUBSCRIBE", *[channel_for(topic) for topic in removed]))
 
     def _detach(self) -> None:
-        self._pubsub = None
+        self._subscriber = None
         self._attached.clear()
-        for future in self._barriers.values():
-            if not future.done():
-                future.set_result(False)
 
-    async def _read(self, pubsub: PubSub) -> None:
-        """Deliver messages until the connection fails; ping it when it is quiet."""
-        last_seen = time.monotonic()
-        while True:
-            message = await pubsub.get_message(timeout=self._keepalive)
-            now = time.monotonic()
-            if message is None:
-                if now - last_seen > 2 * self._keepalive:
-                    raise TimeoutError("Redis did not answer a keepalive ping")
-                await pubsub.ping()
-                continue
-            last_seen = now
-            self._dispatch(message)
-
-    def _dispatch(self, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "message":
-            topic = self._by_channel.get(message["channel"])
+    def _dispatch(self, push: Push) -> None:
+        if push[0] == b"message":
+            topic = self._by_channel.get(push[1])
             if topic is not None:
-                self._call_handler(topic, message["data"])
-        elif kind == "pong":
-            future = self._barriers.get(message["data"])
-            if future is not None and not future.done():
-                future.set_result(True)
+                self._call_handler(topic, push[2])

@@ -34,14 +34,11 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
@@ -49,9 +46,10 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from server.bus.base import BusDown, MessageHandler
 from server.bus.redis_bus import BusUnavailable, LocalDelivery, ReconnectCallback
-from server.redis.client import close_pubsub, make_cluster_client, startup_nodes
+from server.redis.client import make_cluster_client, startup_nodes
 from server.redis.keys import channel_for
 from server.redis.shard_pipes import ShardPipes
+from server.redis.subscriber import Push, Subscriber
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Registry
 from server.runtime.tasks import cancel_and_wait
@@ -72,135 +70,94 @@ class _ShardLost(Exception):
 
 
 class _Shard:
-    """One primary's subscription connection and its reader task."""
+    """One primary's subscription connection and the task that reports its loss."""
 
     def __init__(self, bus: RedisClusterBus, host: str, port: int) -> None:
         self.bus = bus
         self.name = f"{host}:{port}"
-        self.redis = aioredis.Redis(
-            host=host,
-            port=port,
-            client_name=bus.client_name,
-            socket_connect_timeout=1.0,
-            socket_timeout=None,
-            health_check_interval=0,
-            retry=Retry(NoBackoff(), 0),
-        )
-        self.pubsub: PubSub | None = None
+        self.host = host
+        self.port = port
+        self.subscriber: Subscriber | None = None  # set once attached
         self.channels: set[str] = set()
         self.reader: asyncio.Task[None] | None = None
-        self.barriers: dict[bytes, asyncio.Future[bool]] = {}
         self.dead = False  # lost: never used again
 
     @property
     def attached(self) -> bool:
-        return self.pubsub is not None
+        return self.subscriber is not None
 
-    async def attach(self, channels: set[str]) -> list[dict[str, Any]]:
-        """Subscribe ``channels`` on a fresh connection; return what arrived meanwhile."""
-        pubsub = self.redis.pubsub()
+    async def attach(self, channels: set[str]) -> None:
+        """Subscribe ``channels`` on a fresh connection; what arrives is held
+        until :meth:`start_reader`."""
+        connection = Connection(
+            host=self.host,
+            port=self.port,
+            client_name=self.bus.client_name,
+            socket_connect_timeout=1.0,
+            socket_timeout=5.0,  # the handshake's; the subscriber reads without one
+            retry=Retry(NoBackoff(), 0),
+        )
+        subscriber = Subscriber(
+            connection, self.dispatch, keepalive=self.bus.keepalive, name=self.name
+        )
         try:
-            await pubsub.connect()  # type: ignore[no-untyped-call]
+            await subscriber.open()
             for group in _by_slot(channels):
-                await pubsub.ssubscribe(*group)
-            token = uuid.uuid4().hex.encode()
-            await pubsub.ping(token)
-            backlog: list[dict[str, Any]] = []
-            async with asyncio.timeout(5.0):
-                while True:
-                    message = await pubsub.get_message(timeout=5.0)
-                    if message is None:
-                        continue
-                    if message["type"] == "pong" and message["data"] == token:
-                        break
-                    backlog.append(message)
+                subscriber.send(("SSUBSCRIBE", *group))
+            await subscriber.barrier()
         except BaseException:
-            await close_pubsub(pubsub)
+            await subscriber.close()
             raise
-        # redis-py reconnects a pub/sub connection by itself (in get_message,
-        # or after a failed command) and resubscribes silently: messages sent
-        # meanwhile would be lost unnoticed. Any reconnect counts as a loss.
-        assert pubsub.connection is not None
-        pubsub.connection.register_connect_callback(self._reconnected)
-        self.pubsub = pubsub
+        self.subscriber = subscriber
         self.channels = set(channels)
-        return backlog
-
-    async def _reconnected(self, connection: object) -> None:
-        if self.pubsub is not None:
-            self.bus.lost(self, _ShardLost("the connection was re-established"))
 
     def start_reader(self) -> None:
-        if self.pubsub is not None and self.reader is None:
-            self.reader = asyncio.create_task(self._read(self.pubsub), name=f"shard-{self.name}")
+        """Deliver what was held, then every message as it comes; report a loss."""
+        subscriber = self.subscriber
+        if subscriber is not None and self.reader is None:
+            subscriber.release()
+            self.reader = asyncio.create_task(self._watch(subscriber), name=f"shard-{self.name}")
 
-    async def _read(self, pubsub: PubSub) -> None:
-        keepalive = self.bus.keepalive
-        last_seen = time.monotonic()
+    async def _watch(self, subscriber: Subscriber) -> None:
         try:
-            while True:
-                message = await pubsub.get_message(timeout=keepalive)
-                now = time.monotonic()
-                if message is None:
-                    if now - last_seen > 2 * keepalive:
-                        raise TimeoutError("no answer to a keepalive ping")
-                    await pubsub.ping()
-                    continue
-                last_seen = now
-                self.dispatch(message)
+            await subscriber.run()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self.reader = None
             self.bus.lost(self, exc)
 
-    def dispatch(self, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "smessage":
-            self.bus.deliver(message["channel"], message["data"])
-        elif kind == "pong":
-            future = self.barriers.get(message["data"])
-            if future is not None and not future.done():
-                future.set_result(True)
-        elif kind == "sunsubscribe":
-            channel = message["channel"].decode()
+    def dispatch(self, push: Push) -> None:
+        kind = push[0]
+        if kind == b"smessage":
+            self.bus.deliver(push[1], push[2])
+        elif kind == b"sunsubscribe":
+            channel = push[1].decode()
             if channel in self.channels:
                 # Redis dropped it: its slot moved, or this primary was demoted.
                 self.bus.lost(self, _ShardLost(f"the server unsubscribed {channel}"))
 
     async def change(self, add: set[str], remove: set[str]) -> None:
         """Apply a subscription change on the live connection and wait for Redis to take it."""
-        pubsub = self.pubsub
-        if pubsub is None:
+        subscriber = self.subscriber
+        if subscriber is None:
             raise _ShardLost("not attached")
         self.channels |= add
         self.channels -= remove
         for group in _by_slot(remove):
-            await pubsub.sunsubscribe(*group)
+            subscriber.send(("SUNSUBSCRIBE", *group))
         for group in _by_slot(add):
-            await pubsub.ssubscribe(*group)
+            subscriber.send(("SSUBSCRIBE", *group))
         if add:
-            token = uuid.uuid4().hex.encode()
-            future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            self.barriers[token] = future
-            try:
-                await pubsub.ping(token)
-                await asyncio.wait_for(future, 5.0)
-            finally:
-                self.barriers.pop(token, None)
+            await subscriber.barrier()
 
     async def close(self) -> None:
         reader, self.reader = self.reader, None
         if reader is not None and reader is not asyncio.current_task():
             await cancel_and_wait(reader)
-        pubsub, self.pubsub = self.pubsub, None
-        for future in self.barriers.values():
-            if not future.done():
-                future.set_result(False)
-        if pubsub is not None:
-            await close_pubsub(pubsub)
-        with contextlib.suppress(Exception):
-            await self.redis.aclose()
+        subscriber, self.subscriber = self.subscriber, None
+        if subscriber is not None:
+            await subscriber.close()
 
 
 class RedisClusterBus(LocalDelivery):
@@ -371,23 +328,19 @@ class RedisClusterBus(LocalDelivery):
         """Bring the live shards in line for ``channels``; a failure starts a repair."""
         try:
             async with self._lock:
-                backlogs = await self._reconcile(channels)
-            for shard, backlog in backlogs:
-                for message in backlog:
-                    shard.dispatch(message)
+                attached = await self._reconcile(channels)
+            for shard in attached:
                 shard.start_reader()
         except (RedisError, OSError, TimeoutError, _ShardLost) as exc:
             log.debug("subscription change deferred to the repair: %s", exc)
             self._start_repair(exc)
 
-    async def _reconcile(
-        self, changed: Iterable[str] | None = None
-    ) -> list[tuple[_Shard, list[dict[str, Any]]]]:
+    async def _reconcile(self, changed: Iterable[str] | None = None) -> list[_Shard]:
         """Place channels on the primary that owns their slot now: those in
         ``changed`` (a subscription change), or every one (a repair).
 
-        Returns the shards attached by this call with the messages they read
-        while attaching; the caller delivers those and starts their readers.
+        Returns the shards attached by this call, their messages held; the
+        caller starts their readers, which deliver them.
         """
         current = {channel_for(t) for t in self._topics}
         scope = current | set(self._home) if changed is None else set(changed)
@@ -414,7 +367,7 @@ class RedisClusterBus(LocalDelivery):
             else:
                 await holding.change(set(), channels)
                 self._unhome(channels)
-        attached: list[tuple[_Shard, list[dict[str, Any]]]] = []
+        attached: list[_Shard] = []
         try:
             for name, channels in add.items():
                 shard = self._shards.get(name)
@@ -424,13 +377,14 @@ class RedisClusterBus(LocalDelivery):
                 if shard.attached:
                     await shard.change(channels, set())
                 else:
-                    attached.append((shard, await shard.attach(channels)))
+                    await shard.attach(channels)
+                    attached.append(shard)
                 for channel in channels:
                     self._home[channel] = name
         except BaseException:
             # Shards attached in this pass have no reader yet: drop them, so
             # that the next pass attaches them afresh instead of trusting them.
-            for shard, _ in attached:
+            for shard in attached:
                 await self._drop(shard)
             raise
         return attached
@@ -496,10 +450,10 @@ class RedisClusterBus(LocalDelivery):
                         # The map may still name the dead primary; make the
                         # client ask the cluster again instead of its cache.
                         await self._client.nodes_manager.initialize()
-                    backlogs = await self._reconcile()
+                    attached = await self._reconcile()
                     while self._dirty:
                         self._dirty = False
-                        backlogs += await self._reconcile()
+                        attached += await self._reconcile()
                     self._connected_since = time.monotonic()
                     self._healthy.set()
                 if not first:
@@ -509,9 +463,7 @@ class RedisClusterBus(LocalDelivery):
                             callback()
                         except Exception:
                             log.exception("reconnect callback failed")
-                for shard, backlog in backlogs:
-                    for message in backlog:
-                        shard.dispatch(message)
+                for shard in attached:
                     shard.start_reader()
                 return
             except asyncio.CancelledError:

@@ -8,13 +8,13 @@ same way instead of hanging while Redis is away.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -33,13 +33,6 @@ it is exhausted."""
 
 class RedisUnavailable(ConnectionError):
     """Redis could not be reached at start-up within the allowed time."""
-
-
-async def close_pubsub(pubsub: Any) -> None:
-    """Close a pub/sub connection that may already be broken. ``Any``: redis-py
-    typed ``PubSub.aclose`` only from 8.2, and the floor is 8.1."""
-    with contextlib.suppress(Exception):
-        await pubsub.aclose()
 
 
 def make_client(
@@ -62,6 +55,21 @@ def make_client(
     )
     client: aioredis.Redis = aioredis.Redis.from_pool(pool)
     return client
+
+
+def subscriber_connection(url: str, *, client_name: str | None) -> AbstractConnection:
+    """An unconnected connection for :class:`~server.redis.subscriber.Subscriber`:
+    the URL's meaning (TLS, credentials, database) is the command clients'."""
+    pool = aioredis.ConnectionPool.from_url(
+        url,
+        socket_connect_timeout=2.0,
+        socket_timeout=5.0,  # the handshake's; the subscriber reads without one
+        health_check_interval=0,
+        retry=Retry(NoBackoff(), 0),
+        client_name=client_name,
+    )
+    connection: AbstractConnection = pool.make_connection()  # type: ignore[no-untyped-call]
+    return connection
 
 
 def startup_nodes(url: str) -> list[ClusterNode]:
