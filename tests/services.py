@@ -95,6 +95,31 @@ def free_port() -> int:
         return port
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (IPv4), from ``/proc``: proof that a
+    port is its own, where an answer on that port could come from any process that
+    bound it after a race for a free port."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # exited
+        return set()
+    inodes: set[str] = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed meanwhile (listdir's own, for one)
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports: set[int] = set()
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            listening = fields[3] == "0A"
+            if listening and fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _stop_process(process: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
     if process.poll() is not None:
         return

@@ -3,8 +3,11 @@ from other failures: that one is retried on other ports, the rest fail at once."
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import pytest
 
 from loadtest.harness.redis_cluster import Instance, PortTaken
 from loadtest.harness.servers import HOST, StartError, _start_redis_on
-from tests.services import RedisServer, ServiceError
+from tests.services import RedisServer, ServiceError, listening_ports
 
 
 @pytest.fixture
@@ -43,3 +46,37 @@ def test_the_tests_redis_on_a_taken_port_says_so(taken_port: int) -> None:
 async def test_the_load_tests_redis_on_a_taken_port_says_so(taken_port: int) -> None:
     with pytest.raises(StartError, match="Address already in use"):
         await _start_redis_on(taken_port, 10)
+
+
+def test_listening_ports_are_the_processs_own_listeners_only() -> None:
+    # The cluster harness takes a node as ready only on ports it listens on itself.
+    with socket.socket() as listener, socket.socket() as other:
+        listener.bind((HOST, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        other.bind((HOST, 0))  # bound, not listening
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD_LISTENS],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE,
+        )
+        try:
+            assert child.stdout is not None
+            childs = int(child.stdout.readline())
+            mine = listening_ports(os.getpid())
+            assert port in mine
+            assert other.getsockname()[1] not in mine
+            assert childs not in mine
+            assert childs in listening_ports(child.pid)
+        finally:
+            child.kill()
+            child.wait()
+    assert listening_ports(child.pid) == set()  # gone
+
+
+CHILD_LISTENS = """
+import socket, sys
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+print(s.getsockname()[1], flush=True)
+sys.stdin.read()
+"""

@@ -33,7 +33,7 @@ from server.redis.client import make_cluster_client
 from server.store.base import ConnectionRecord
 from server.store.dynamodb import DynamoStore
 from tests.client import DEV_SECRET, Client
-from tests.services import HOST, RedisServer, free_port
+from tests.services import HOST, RedisServer, free_port, listening_ports
 
 PUBLISH_SECRET = "cluster-publish-secret"
 REGION = "us-east-1"
@@ -196,9 +196,14 @@ class Cluster:
                 await self.wait_ready(name, within)
 
     async def wait_ready(self, name: str, within: float = 90.0) -> None:
+        """Until the node answers /readyz with 200 on ports it owns itself: after a
+        lost race for a free port, another test's node may hold its HTTP port and
+        answer for it while it exits on the bind."""
         node = self.nodes[name]
         deadline = time.monotonic() + within
-        while await self.readyz(name) != 200:
+        while await self.readyz(name) != 200 or not {node.port, node.http_port} <= (
+            listening_ports(node.process.pid)
+        ):
             if not node.alive:
                 raise AssertionError(f"node {name} exited:\n{node.log()}")
             if time.monotonic() > deadline:
