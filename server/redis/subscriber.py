@@ -69,7 +69,7 @@ class Subscriber:
     async def open(self) -> None:
         """Connect (redis-py's handshake) and start reading."""
         await self.connection.connect()  # type: ignore[no-untyped-call]
-        # redis-py keeps the streams private; tests/test_redis_internals.py pins them.
+        # redis-py keeps the streams private; tests/cluster/test_subscriber.py pins them.
         self._stream = self.connection._reader
         self._writer = self.connection._writer
         if self._stream is None or self._writer is None:
