@@ -147,7 +147,7 @@ class Frame:
         """The JSON text frame."""
         text = self._text
         if text is None:
-            text = self._text = _dumps(self.wire)
+            text = self._text = compact_json(self.wire)
         return text
 
     @property
@@ -214,7 +214,8 @@ class FrameRun:
         return data
 
 
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
+"""JSON without spaces: the text frames', and the internal listener's answers."""
 _TEXT = 0x80 | Opcode.TEXT.value  # FIN and the opcode: one frame, never fragmented
 _BINARY = 0x80 | Opcode.BINARY.value
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.codec import compact_json
 from protocol.http11 import Request
 
 JSON = "application/json; charset=utf-8"
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 @dataclass(slots=True)
@@ -22,7 +21,7 @@ class Reply:
 
     @classmethod
     def json(cls, status: int, value: Any) -> Reply:
-        return cls(status, _dumps(value).encode(), JSON)
+        return cls(status, compact_json(value).encode(), JSON)
 
     @classmethod
     def error(cls, status: int, message: str, **extra: Any) -> Reply:
