@@ -5,7 +5,7 @@ the backend, so its cost per request is part of every event's fan-out. This
 parser does what that listener needs and no more: request line, header
 fields, a body framed by ``Content-Length`` or chunked, keep-alive and
 pipelining. Whatever it cannot take is refused with the status the RFCs name
-(400, 413, 431, 501, 505), after which the connection must be closed: the
+(400, 413, 417, 431, 501, 505), after which the connection must be closed: the
 framing of anything behind a refused request is unknown.
 
 Feed it bytes as they arrive (:meth:`RequestParser.feed`), take whole requests

@@ -27,15 +27,12 @@ from redis.exceptions import RedisError
 from server.bus.base import BusDown, MessageHandler
 from server.redis.client import RedisUnavailable, make_client, subscriber_connection
 from server.redis.keys import channel_for
-from server.redis.subscriber import Push, Subscriber
+from server.redis.subscriber import CONFIRM_TIMEOUT_S, Push, Subscriber
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Counter, Registry
 from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
-
-CONFIRM_TIMEOUT_S = 5.0
-"""How long Redis has to confirm subscriptions (the barrier ``PING``'s answer)."""
 
 ReconnectCallback = Callable[[], None]
 """Called on the reader task after a reconnect, before any new message is delivered."""
@@ -245,7 +242,6 @@ class RedisBus(LocalDelivery):
                 subscriber_connection(self.url, client_name=self._sub_name),
                 self._dispatch,
                 keepalive=self._keepalive,
-                confirm_timeout=CONFIRM_TIMEOUT_S,
                 name="bus",
             )
             try:

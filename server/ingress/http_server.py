@@ -19,6 +19,7 @@ from typing import cast
 
 from protocol.http11 import CONTINUE, HttpError, Request, RequestParser, response
 from server.ingress.routes import Reply, Routes
+from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +234,7 @@ class HttpListener:
         if self._server is not None:
             self._server.close()
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await cancel_and_wait(self._sweeper)
         busy = [c.busy for c in self.connections if c.busy is not None]
         for connection in list(self.connections):
             if connection.busy is None:

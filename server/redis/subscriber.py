@@ -38,6 +38,8 @@ Push = list[Any]
 ``[b"smessage", ...]`` and so on."""
 
 READ_SIZE = 1 << 16
+CONFIRM_TIMEOUT_S = 5.0
+"""How long Redis has to answer a barrier (the ``PING`` after subscriptions)."""
 
 
 class Subscriber:
@@ -49,14 +51,12 @@ class Subscriber:
         on_push: Callable[[Push], None],
         *,
         keepalive: float,
-        confirm_timeout: float = 5.0,
         name: str = "redis",
     ) -> None:
         self.connection = connection
         self.name = name
         self._on_push = on_push
         self._keepalive = keepalive
-        self.confirm_timeout = confirm_timeout
         self._held: list[Push] | None = []
         self._barriers: dict[bytes, asyncio.Future[None]] = {}
         self._parser = hiredis.Reader()
@@ -91,14 +91,14 @@ class Subscriber:
     async def barrier(self) -> None:
         """Return once Redis has handled every command sent so far.
 
-        ``TimeoutError`` if it does not answer within ``confirm_timeout``; the
+        ``TimeoutError`` if it does not answer within ``CONFIRM_TIMEOUT_S``; the
         connection's error if it fails meanwhile."""
         token = uuid.uuid4().hex.encode()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._barriers[token] = future
         try:
             self.send(("PING", token))
-            await asyncio.wait_for(future, self.confirm_timeout)
+            await asyncio.wait_for(future, CONFIRM_TIMEOUT_S)
         finally:
             self._barriers.pop(token, None)
 
