@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Iterator
 
+import boto3
 import pytest
 
 from server.store.dynamodb import DynamoStore
@@ -98,3 +100,40 @@ async def test_a_chunked_request_is_answered_and_then_closed(own_moto: MotoServe
         assert await asyncio.wait_for(reader.read(), 10) == b""
     finally:
         writer.close()
+
+
+async def test_updated_items_leave_no_copies_behind(own_moto: MotoServer) -> None:
+    # moto's UpdateItem copies the whole item, and moto keeps every model object it
+    # builds for its dashboard: 30 updates would leave 30 copies there. The launcher
+    # keeps DynamoDB's out, so the dashboard (which lists what moto holds) has none.
+    table = await new_table(own_moto.endpoint)
+    client = boto3.client("dynamodb", endpoint_url=own_moto.endpoint, region_name=TEST_REGION)
+    key = {"pk": {"S": "GAMECOMMENTS"}, "sk": {"S": "game-1"}}
+    for index in range(30):
+        await asyncio.to_thread(
+            client.update_item,
+            TableName=table,
+            Key=key,
+            UpdateExpression="SET #c = list_append(if_not_exists(#c, :none), :new)",
+            ExpressionAttributeNames={"#c": "comments"},
+            ExpressionAttributeValues={
+                ":none": {"L": []},
+                ":new": {"L": [{"S": f"comment {index}"}]},
+            },
+        )
+    item = await asyncio.to_thread(client.get_item, TableName=table, Key=key)
+    assert len(item["Item"]["comments"]["L"]) == 30
+    host, port = own_moto.endpoint.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"GET /moto-api/data.json HTTP/1.1\r\nHost: moto\r\n\r\n")
+        await writer.drain()
+        head, body = await _response(reader)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200")
+    tracked = json.loads(body)["dynamodb"]
+    assert "Item" in tracked  # the dashboard still lists the model, with no instance
+    assert all(instances == [] for instances in tracked.values()), {
+        name: len(instances) for name, instances in tracked.items()
+    }
