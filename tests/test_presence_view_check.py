@@ -1,5 +1,6 @@
 """A node's presence view against the committed seq: a delta that never arrives is
-found by the periodic check, and one merely in flight is not.
+found by the periodic check, and one merely in flight, or heard and waiting behind
+a slow reload, is not.
 
 Pub/sub may lose a delta without any connection noticing (seen after a whole
 Redis Cluster restart: one node's subscription went silent while its connection
@@ -34,6 +35,10 @@ class CommittedElsewhere:
 
     def __init__(self) -> None:
         self.state = CommittedPresence(seq=3, users={"alice": True})
+        self.reloads_open = asyncio.Event()  # cleared: a reload waits until it is set
+        self.reloads_open.set()
+        self.reloads_fail = False
+        self.seq_reads = 0  # the view check's reads
 
     async def start(self) -> None:
         return None
@@ -48,9 +53,13 @@ class CommittedElsewhere:
         return {}
 
     async def committed(self) -> CommittedPresence:
+        await self.reloads_open.wait()
+        if self.reloads_fail:
+            raise ConnectionError("Redis away")
         return CommittedPresence(self.state.seq, dict(self.state.users))
 
     async def committed_seq(self) -> int | None:
+        self.seq_reads += 1
         return self.state.seq
 
     async def commit(self, delta: PresenceDelta, changes: Changes) -> bool:
@@ -120,3 +129,48 @@ async def test_a_delta_in_flight_is_waited_for_not_reported_lost(
     assert presence.view.seq == 8
     assert lost_deltas(metrics) == 0
     assert rechecks == []
+
+
+async def checks_pass(backend: CommittedElsewhere, count: int) -> None:
+    """Wait until the view check has read the committed seq ``count`` more times."""
+    target = backend.seq_reads + count
+    await eventually(lambda: backend.seq_reads >= target, WITHIN, f"{count} view checks")
+
+
+async def test_a_delta_heard_behind_a_slow_reload_is_not_reported_lost(
+    running: tuple[NodePresence, CommittedElsewhere, Registry, list[str]],
+) -> None:
+    presence, backend, metrics, rechecks = running
+    backend.reloads_open.clear()
+    # Seq 4 never came: the gap at 5 sends the delta loop to a reload, which hangs.
+    backend.state = CommittedPresence(seq=5, users={"alice": True, "bob": True})
+    presence.delta(PresenceDelta(seq=5, joins=("bob",), leaves=(), total_count=2))
+    # Seq 6 is heard while the loop waits: it is queued, not lost.
+    backend.state = CommittedPresence(seq=6, users={"alice": True, "bob": True, "carol": True})
+    presence.delta(PresenceDelta(seq=6, joins=("carol",), leaves=(), total_count=3))
+    await checks_pass(backend, 4)
+    assert presence.view.seq == 3  # the view itself is still behind
+    assert lost_deltas(metrics) == 0
+    assert rechecks == []
+    backend.reloads_open.set()
+    await eventually(at_seq(presence, 6), WITHIN, "the reload and the queued delta")
+    assert presence.view.visible == {"alice", "bob", "carol"}
+    await checks_pass(backend, 3)
+    assert lost_deltas(metrics) == 0
+    assert rechecks == []
+
+
+async def test_a_delta_dropped_after_a_failed_reload_is_still_found(
+    running: tuple[NodePresence, CommittedElsewhere, Registry, list[str]],
+) -> None:
+    presence, backend, metrics, rechecks = running
+    backend.reloads_fail = True
+    backend.state = CommittedPresence(seq=5, users={"alice": True, "bob": True})
+    # Heard, but after the gap's reload fails it cannot be applied: the view stays at 3.
+    presence.delta(PresenceDelta(seq=5, joins=("bob",), leaves=(), total_count=2))
+    await eventually(lambda: lost_deltas(metrics) >= 1, WITHIN, "the check found the view behind")
+    assert presence.view.seq == 3
+    assert rechecks and set(rechecks) == {"recheck"}
+    backend.reloads_fail = False
+    await eventually(at_seq(presence, 5), WITHIN, "the view reloaded")
+    assert presence.view.visible == {"alice", "bob"}

@@ -92,6 +92,10 @@ class NodePresence:
         self._reports_since: float | None = None  # when the oldest unreported change happened
         # None asks the delta loop to reload the view and push fresh snapshots.
         self._deltas: asyncio.Queue[PresenceDelta | None] = asyncio.Queue()
+        # The highest seq heard on the bus and still queued or in hand (the delta loop
+        # lowers it to the view's once nothing waits): the view check must not call
+        # a delta lost that merely waits its turn behind a slow reload.
+        self._heard_seq = 0
         self._moving = 0  # drained sessions whose user is still reported here
         self._moves_done = asyncio.Event()
         metrics.gauge("ap_users", "Distinct users on this node", self._user_count)
@@ -208,6 +212,8 @@ class NodePresence:
 
     def delta(self, delta: PresenceDelta) -> None:
         """A committed delta heard on the bus."""
+        if delta.seq > self._heard_seq:
+            self._heard_seq = delta.seq
         self._deltas.put_nowait(delta)
 
     def hint(self, user_ids: Iterable[str], changed_at: float | None) -> None:
@@ -225,23 +231,28 @@ class NodePresence:
             delta = await self._deltas.get()
             if delta is None:
                 await self._reload_view()
-                continue
-            if delta.seq <= self.view.seq:
-                continue  # already applied (a reload got ahead of it)
-            if delta.seq != self.view.seq + 1:
-                # A gap in what this node heard: read the committed state again.
-                # Clients see the gap too and repair it with syncPresence.
-                self._reloads.inc()
-                log.warning("presence gap at node: have %d, got %d", self.view.seq, delta.seq)
-                try:
-                    self.view.reset(await self._backend.committed())
-                except Exception as exc:
-                    log.warning("presence reload failed: %s", exc)
-                if delta.seq == self.view.seq + 1:
-                    self.view.apply(delta)
-            else:
+            elif delta.seq > self.view.seq:  # else a reload got ahead of it
+                await self._apply_heard(delta)
+            if self._deltas.empty():
+                # Nothing heard is waiting: whatever the view lacks now never came
+                # (or was dropped after a failed reload), for the view check to find.
+                self._heard_seq = self.view.seq
+
+    async def _apply_heard(self, delta: PresenceDelta) -> None:
+        if delta.seq != self.view.seq + 1:
+            # A gap in what this node heard: read the committed state again.
+            # Clients see the gap too and repair it with syncPresence.
+            self._reloads.inc()
+            log.warning("presence gap at node: have %d, got %d", self.view.seq, delta.seq)
+            try:
+                self.view.reset(await self._backend.committed())
+            except Exception as exc:
+                log.warning("presence reload failed: %s", exc)
+            if delta.seq == self.view.seq + 1:
                 self.view.apply(delta)
-            send_frame(self._watchers, Frame(delta), self._outbox_limit)
+        else:
+            self.view.apply(delta)
+        send_frame(self._watchers, Frame(delta), self._outbox_limit)
 
     async def _check_view(self) -> None:
         behind_at: int | None = None  # committed seq the view lacked at the last check
@@ -253,9 +264,10 @@ class NodePresence:
                 log.debug("presence view check failed: %s", exc)
                 behind_at = None
                 continue
-            if committed is None or committed <= self.view.seq:
+            heard = max(self.view.seq, self._heard_seq)
+            if committed is None or committed <= heard:
                 behind_at = None
-            elif behind_at is not None and self.view.seq < behind_at:
+            elif behind_at is not None and heard < behind_at:
                 self._lost_deltas.inc()
                 log.warning(
                     "presence view at seq %d never heard the deltas up to %d: reloading",
