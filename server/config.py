@@ -49,6 +49,7 @@ class Settings:
     store: str = "memory"
     redis_url: str | None = None
     redis_cluster_url: str | None = None
+    stream_audit_seconds: float = 30.0
     node_heartbeat_ms: int = 2000
     node_timeout_ms: int = 10000
     history_size: int = 50
@@ -133,6 +134,8 @@ _HELP: dict[str, str] = {
         "Redis Cluster seed nodes, redis://host:port[,redis://host:port...]; like "
         "--redis-url, over a Redis Cluster with sharded pub/sub"
     ),
+    "stream_audit_seconds": "how often a cluster node checks that it heard every event of the "
+    "streams it holds (0: never)",
     "node_heartbeat_ms": "how often a node renews its heartbeat in Redis",
     "node_timeout_ms": "silence after which a node is declared dead and its users leave",
     "history_size": "events kept per stream for recovery after a reconnect",
@@ -393,6 +396,8 @@ def _validate(settings: Settings) -> None:
     ):
         if getattr(settings, name) <= 0:
             raise ConfigError(f"{_flag(name)} must be positive")
+    if settings.stream_audit_seconds < 0:
+        raise ConfigError("--stream-audit-seconds must be 0 (off) or positive")
     if not 0 <= settings.accept_queue_seconds <= 8:
         raise ConfigError(
             "--accept-queue-seconds must be from 0 to 8 (a held upgrade must still finish "

@@ -109,6 +109,7 @@ def _cluster_node(settings: Settings, store: Store, metrics: Registry) -> Node:
     from server.bus.redis_cluster_bus import RedisClusterBus
     from server.bus.redis_streams import RedisStreams
     from server.presence.redis import RedisPresenceBackend
+    from server.routing.stream_audit import StreamAudit
 
     bus: RedisBus | RedisClusterBus
     if settings.redis_cluster_url is not None:
@@ -137,6 +138,17 @@ def _cluster_node(settings: Settings, store: Store, metrics: Registry) -> Node:
     if isinstance(bus, RedisClusterBus):
         # A delta the view check found lost may mean a dead subscription.
         node.presence.on_lost_delta(lambda: bus.recheck(PRESENCE))
+    # The same for the streams this node holds, whose channels may live elsewhere.
+    if settings.stream_audit_seconds > 0:
+        missed = bus.recheck if isinstance(bus, RedisClusterBus) else None
+        audit = StreamAudit(
+            node.delivery,
+            streams,
+            metrics,
+            on_missed=missed,
+            interval=settings.stream_audit_seconds,
+        )
+        node.services.append(audit)
     backend.on_presumed_dead(lambda: node.registry.rewrite(node.sessions, node.node_id))
     return node
 

@@ -114,6 +114,7 @@ def test_both_bridges_run_on_a_redis_cluster() -> None:
         ([], {"AP_PING_TIMEOUT": "-1"}, "ping-timeout must be positive"),
         (["--heartbeat-seconds", "0"], {}, "heartbeat-seconds must be from 1 to 300"),
         ([], {"AP_HEARTBEAT_SECONDS": "301"}, "heartbeat-seconds must be from 1 to 300"),
+        (["--stream-audit-seconds", "-1"], {}, "stream-audit-seconds must be 0"),
     ],
 )
 def test_bad_settings_are_refused_clearly(

@@ -155,7 +155,7 @@ class StreamDelivery:
         meanwhile (or Redis restarted without its data), so compare each cursor
         with its stream's history and repair."""
         for stream in list(self.cursors):
-            self._check(stream)
+            self.check(stream)
 
     def hold(self, stream: str, epoch: str, top: int) -> None:
         """A recovery told a tab here that ``stream`` is at ``(epoch, top)``. The
@@ -168,9 +168,11 @@ class StreamDelivery:
             if self._index.holds(stream):
                 self.cursors[stream] = StreamCursor(epoch, top)
         elif cursor.epoch != epoch or cursor.offset < top:
-            self._check(stream)
+            self.check(stream)
 
-    def _check(self, stream: str) -> None:
+    def check(self, stream: str) -> None:
+        """Compare ``stream``'s cursor with its history and deliver what is missing
+        (once: a check already under way covers this one)."""
         if stream not in self._repairing:
             self._repairing[stream] = []
             self._spawn(self._repair(stream), f"check {stream}")

@@ -1,0 +1,183 @@
+"""The held-stream audit against a real Redis: an event committed but never heard is
+found at the second audit that still misses it, and one merely in flight is not.
+
+The node side is a stand-in holding cursors, as ``StreamDelivery`` does, and
+recording which streams it was asked to check; the reads are ``RedisStreams``'.
+The last test runs a whole node: the event reaches the tab."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from protocol.envelope import encode_envelope
+from protocol.parse import parse_broadcast
+from protocol.streams import StreamCursor
+from server.bus.redis_streams import RedisStreams, history_key, meta_key
+from server.routing.stream_audit import StreamAudit, stream_topic
+from server.runtime.metrics import Registry
+from tests.conftest import TEST_SETTINGS, run_server
+from tests.services import RedisServer
+
+
+class Held:
+    def __init__(self) -> None:
+        self.cursors: dict[str, StreamCursor] = {}
+        self.checked: list[str] = []
+
+    def check(self, stream: str) -> None:
+        self.checked.append(stream)
+
+
+@pytest.fixture
+async def streams(fresh_redis: RedisServer) -> AsyncIterator[RedisStreams]:
+    streams = RedisStreams(fresh_redis.url)
+    await streams.start()
+    yield streams
+    await streams.close()
+
+
+def game(name: str = "audit") -> str:
+    return f"game:{name}#{uuid.uuid4().hex[:8]}"
+
+
+async def held_at_top(streams: RedisStreams, held: Held, stream: str, events: int) -> None:
+    """``events`` appended and all heard: the cursor is at the top."""
+    position = None
+    for index in range(events):
+        position = await streams.append(stream, f"e{index}".encode(), ())
+    assert position is not None
+    held.cursors[stream] = StreamCursor(position.epoch, position.offset)
+
+
+async def test_an_event_never_heard_is_reported_at_the_second_audit(
+    streams: RedisStreams,
+) -> None:
+    held, topics, metrics = Held(), list[str](), Registry()
+    audit = StreamAudit(held, streams, metrics, interval=30, on_missed=topics.append)
+    lost, quiet = game(), game()
+    await held_at_top(streams, held, lost, 2)
+    await held_at_top(streams, held, quiet, 3)
+    await streams.append(lost, b"the move nobody heard", ())  # its publish went nowhere
+    behind = await audit.audit({})
+    assert held.checked == []  # it may be in flight yet
+    assert behind == {lost: (held.cursors[lost].epoch, 3)}
+    assert await audit.audit(behind) == {}
+    assert held.checked == [lost]
+    assert topics == [stream_topic(lost)] and topics[0].startswith("game:")
+    assert metrics.value("ap_stream_audit_missed_total") == 1
+
+
+async def test_an_event_heard_between_two_audits_is_not_reported(
+    streams: RedisStreams,
+) -> None:
+    held, topics, metrics = Held(), list[str](), Registry()
+    audit = StreamAudit(held, streams, metrics, interval=30, on_missed=topics.append)
+    stream = game()
+    await held_at_top(streams, held, stream, 1)
+    position = await streams.append(stream, b"in flight", ())
+    behind = await audit.audit({})
+    assert stream in behind
+    held.cursors[stream].offset = position.offset  # it arrived
+    # Another is in flight by the second audit: behind again, but not the same.
+    await streams.append(stream, b"next", ())
+    behind = await audit.audit(behind)
+    assert held.checked == [] and topics == []
+    assert behind == {stream: (position.epoch, 3)}
+    assert metrics.value("ap_stream_audit_missed_total") == 0
+
+
+async def test_streams_nobody_delivered_on_and_streams_in_step_cost_nothing(
+    streams: RedisStreams,
+) -> None:
+    held, metrics = Held(), Registry()
+    audit = StreamAudit(held, streams, metrics, interval=30, batch=2)  # several batches
+    in_step = [game() for _ in range(5)]
+    for stream in in_step:
+        await held_at_top(streams, held, stream, 2)
+    held.cursors[game("unknown")] = StreamCursor()  # held, no epoch known yet
+    assert await audit.audit({}) == {}
+    assert await audit.audit({}) == {}
+    assert held.checked == []
+
+
+async def test_a_stream_restarted_empty_is_repaired_without_blaming_the_bus(
+    streams: RedisStreams, fresh_redis: RedisServer
+) -> None:
+    # Its history expired (or Redis lost it): the audit's read starts a new epoch
+    # at top 0. The tabs must learn the old one is gone, but no event went astray.
+    held, topics, metrics = Held(), list[str](), Registry()
+    audit = StreamAudit(held, streams, metrics, interval=30, on_missed=topics.append)
+    user = f"user:audit-{uuid.uuid4().hex[:8]}"
+    await held_at_top(streams, held, user, 4)
+    client = aioredis.Redis.from_url(fresh_redis.url)
+    try:
+        assert await client.delete(meta_key(user), history_key(user)) == 2
+    finally:
+        await client.aclose()
+    behind = await audit.audit({})
+    assert behind[user][1] == 0 and behind[user][0] != held.cursors[user].epoch
+    await audit.audit(behind)
+    assert held.checked == [user]
+    assert topics == []  # nothing to resubscribe for
+    assert stream_topic(user) == user
+
+
+async def test_the_audit_runs_on_its_own_until_stopped(streams: RedisStreams) -> None:
+    held, metrics = Held(), Registry()
+    audit = StreamAudit(held, streams, metrics, interval=0.01)
+    stream = game()
+    await held_at_top(streams, held, stream, 1)
+    await streams.append(stream, b"lost", ())
+    await audit.start()
+    try:
+        for _ in range(1000):
+            if held.checked:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await audit.stop()
+    assert held.checked and set(held.checked) == {stream}
+    count = len(held.checked)
+    await asyncio.sleep(0.05)
+    assert len(held.checked) == count  # stopped
+
+
+async def test_a_move_whose_publish_never_arrived_reaches_the_tab(
+    fresh_redis: RedisServer,
+) -> None:
+    # A node of a cluster, with the audit every 50 ms: move 2 is committed to the
+    # game's stream (as another node's publish would), but its pub/sub message never
+    # reaches this node, and no later move shows the hole.
+    settings = dataclasses.replace(
+        TEST_SETTINGS, redis_url=fresh_redis.url, stream_audit_seconds=0.05
+    )
+    game_stream = "game:chess#g1"
+    async with run_server(settings) as server:
+        watcher = await server.subscribed("alice", games=[("chess", "g1")], since={})
+        status, reply = await server.publish(move(1))
+        assert status == 202 and isinstance(reply, dict)
+        await watcher.wait_for(lambda: watcher.offsets(game_stream) == [1])
+        other = RedisStreams(fresh_redis.url)
+        await other.start()
+        try:
+            message = parse_broadcast(json.dumps(move(2)).encode())
+            position = await other.append(game_stream, encode_envelope(message), ())
+        finally:
+            await other.close()
+        assert position.offset == 2
+        await watcher.wait_for(lambda: watcher.offsets(game_stream) == [1, 2])
+        frame = watcher.on_stream(game_stream)[1]
+        assert frame["payload"]["n"] == 2 and frame["epoch"] == position.epoch
+        assert server.node.metrics.value("ap_stream_audit_missed_total") == 1
+
+
+def move(n: int) -> dict[str, Any]:
+    return {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": n}}
