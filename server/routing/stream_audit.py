@@ -9,11 +9,11 @@ the game and user channels live on other shards, which it cannot see.
 
 So every ``interval`` seconds (``--stream-audit-seconds``) the node reads the
 position of each stream it holds (one pipelined read per batch; no event moves
-unless the node is behind). A
-stream whose cursor is still short of what the previous audit found committed
-(an older epoch, or a lower offset) missed events committed at least an interval
-ago, not ones in flight: the delivery fills the hole from history, as after a
-reconnect, and ``on_missed`` is told the topic, so the bus can subscribe it anew.
+unless the node is behind). A stream whose cursor is still short of what the
+previous audit found committed (an older epoch, or a lower offset) missed events
+committed at least an interval ago, not ones in flight: the delivery fills the
+hole from history, as after a reconnect, and ``on_missed`` is told the topic, so
+the bus can subscribe it anew.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from protocol.streams import StreamCursor, stream_game
 from server.bus.streams import HistoryAsk, Streams
 from server.bus.topics import game_topic
 from server.runtime.metrics import Registry
+from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,7 @@ class StreamAudit:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _run(self) -> None:
