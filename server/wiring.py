@@ -135,17 +135,15 @@ def _cluster_node(settings: Settings, store: Store, metrics: Registry) -> Node:
     bus.on_reconnect(node.presence.resync)
     # Events published meanwhile are in the streams' history: fill the holes.
     bus.on_reconnect(node.delivery.check_streams)
-    if isinstance(bus, RedisClusterBus):
-        # A delta the view check found lost may mean a dead subscription.
-        node.presence.on_lost_delta(lambda: bus.recheck(PRESENCE))
-    # The same for the streams this node holds, whose channels may live elsewhere.
+    # A delta the view check found lost may mean a dead subscription.
+    node.presence.on_lost_delta(lambda: bus.recheck(PRESENCE))
+    # The same for the streams this node holds (on a Redis Cluster, on other shards).
     if settings.stream_audit_seconds > 0:
-        missed = bus.recheck if isinstance(bus, RedisClusterBus) else None
         audit = StreamAudit(
             node.delivery,
             streams,
             metrics,
-            on_missed=missed,
+            on_missed=bus.recheck,
             interval=settings.stream_audit_seconds,
         )
         node.services.append(audit)

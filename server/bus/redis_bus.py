@@ -235,6 +235,17 @@ class RedisBus(LocalDelivery):
 
     # --- the reader ---------------------------------------------------------
 
+    def recheck(self, topic: str) -> None:
+        """Subscribe every topic anew on a fresh connection, as after a loss, then run
+        the reconnect callbacks (presence reload, held streams checked).
+
+        For a loss no connection reported: a check found events committed on
+        ``topic`` that this node never heard, so the subscription may be silent
+        with its connection up (one connection holds every topic here)."""
+        subscriber = self._subscriber
+        if subscriber is not None and not self._closing:
+            subscriber.drop(f"nothing heard on {topic} that Redis committed")
+
     async def _run(self) -> None:
         retrying = Backoff(first=0.1, cap=self._max_backoff).start()
         while not self._closing:

@@ -119,6 +119,11 @@ class Subscriber:
             raise RedisConnectionError("the subscriber was never opened")
         await asyncio.shield(self._lost)
 
+    def drop(self, reason: str) -> None:
+        """End the connection as lost (``run`` raises), though it looks healthy: for
+        a subscription found silent by a check of what Redis committed."""
+        self._fail(RedisConnectionError(reason))
+
     async def close(self) -> None:
         self._fail(RedisConnectionError("the subscriber connection was closed"))
         current = asyncio.current_task()

@@ -5,7 +5,8 @@ last event before a quiet spell (a move, then nothing until the opponent answers
 lost on its way, by a subscription that went silent with its connection up, would
 leave the node's tabs without it for as long as the game stays quiet. The presence
 view check finds such a subscription on the presence channel; on a Redis Cluster
-the game and user channels live on other shards, which it cannot see.
+the game and user channels live on other shards, which it cannot see, and on one
+Redis a stream's hole would wait for a check of presence.
 
 So every ``interval`` seconds (``--stream-audit-seconds``) the node reads the
 position of each stream it holds (one pipelined read per batch; no event moves

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import msgpack
 import pytest
+import redis.asyncio as aioredis
 
 from loadtest.harness.redis_cluster import RedisCluster
 from protocol.envelope import PresenceHint, decode_envelope
@@ -260,3 +261,41 @@ async def test_a_recheck_subscribes_the_topics_shard_anew_and_delivery_goes_on(
         await eventually(lambda: inbox.on(PRESENCE) == [b"after the recheck"], 10, "delivery")
     finally:
         await bus.close()
+
+
+async def test_a_recheck_on_one_redis_subscribes_anew_and_delivery_goes_on(
+    redis_server: RedisServer,
+) -> None:
+    """The same on one Redis, where one connection holds every topic: it is
+    replaced, every topic subscribed again, then the reconnect callbacks run."""
+    inbox = Inbox()
+    metrics = Registry()
+    bus = RedisBus(redis_server.url, max_backoff=0.2, name="recheck", metrics=metrics)
+    await bus.start(inbox)
+    repaired: list[bool] = []
+    bus.on_reconnect(lambda: repaired.append(bus.connected))
+    try:
+        await bus.subscribe([PRESENCE, "game:chess#recheck"])
+        before = await sub_connection_ids(redis_server, "ap-sub:recheck")
+        bus.recheck("game:chess#recheck")
+        await eventually(lambda: repaired == [True], 10, "the reconnect's callbacks")
+        assert metrics.value("ap_bus_reconnects_total") == 1
+        after = await sub_connection_ids(redis_server, "ap-sub:recheck")
+        assert len(after) == 1 and after != before  # a fresh connection
+        topics = (PRESENCE, "game:chess#recheck")
+        for topic in topics:
+            await bus.publish(topic, b"after the recheck", local_fallback=False)
+        expected = {topic: [b"after the recheck"] for topic in topics}
+        heard = lambda: {topic: inbox.on(topic) for topic in topics} == expected  # noqa: E731
+        await eventually(heard, 10, "delivery on every topic")
+    finally:
+        await bus.close()
+
+
+async def sub_connection_ids(redis_server: RedisServer, name: str) -> list[str]:
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        listing = await client.client_list()
+    finally:
+        await client.aclose()
+    return [str(entry["id"]) for entry in listing if entry.get("name") == name]
