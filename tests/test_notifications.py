@@ -40,7 +40,8 @@ def numbers(client: Client) -> list[int]:
 
 async def reading(running: RunningServer, within: float = 20) -> None:
     """Wait until the node reads the stream (its LATEST iterators taken)."""
-    reader = running.node.services[-1].reader  # type: ignore[attr-defined]
+    (push,) = [s for s in running.node.services if isinstance(s, NotificationPush)]
+    reader = push.reader
     deadline = time.monotonic() + within
     while not reader.positioned:
         assert time.monotonic() < deadline, "the stream reader did not start"
