@@ -35,7 +35,8 @@ PERIOD_S = 30.0
 
 
 class Held:
-    """The node's cursors, every one at its stream's top; nothing is ever checked."""
+    """A node's held streams as the audit sees them (``StreamDelivery`` stands
+    here): the cursors, and the streams it was asked to check, recorded."""
 
     def __init__(self) -> None:
         self.cursors: dict[str, StreamCursor] = {}

@@ -1,8 +1,8 @@
 """The held-stream audit against a real Redis: an event committed but never heard is
 found at the second audit that still misses it, and one merely in flight is not.
 
-The node side is a stand-in holding cursors, as ``StreamDelivery`` does, and
-recording which streams it was asked to check; the reads are ``RedisStreams``'.
+The node side is the benchmark's stand-in (``Held``): cursors, as ``StreamDelivery``
+holds them, and the streams it was asked to check; the reads are ``RedisStreams``'.
 The last test runs a whole node: the event reaches the tab."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from loadtest.scenarios.stream_audit import Held
 from protocol.envelope import encode_envelope
 from protocol.parse import parse_broadcast
 from protocol.streams import StreamCursor
@@ -25,15 +26,6 @@ from server.routing.stream_audit import StreamAudit, stream_topic
 from server.runtime.metrics import Registry
 from tests.conftest import TEST_SETTINGS, run_server
 from tests.services import RedisServer
-
-
-class Held:
-    def __init__(self) -> None:
-        self.cursors: dict[str, StreamCursor] = {}
-        self.checked: list[str] = []
-
-    def check(self, stream: str) -> None:
-        self.checked.append(stream)
 
 
 @pytest.fixture
