@@ -36,14 +36,19 @@ PERIOD_S = 30.0
 
 class Held:
     """A node's held streams as the audit sees them (``StreamDelivery`` stands
-    here): the cursors, and the streams it was asked to check, recorded."""
+    here): the cursors, the streams it was asked to check, recorded, and those
+    whose check is still under way (none unless set)."""
 
     def __init__(self) -> None:
         self.cursors: dict[str, StreamCursor] = {}
         self.checked: list[str] = []
+        self.under_repair: set[str] = set()
 
     def check(self, stream: str) -> None:
         self.checked.append(stream)
+
+    def repairing(self, stream: str) -> bool:
+        return stream in self.under_repair
 
 
 async def _redis_cpu_s(client: aioredis.Redis) -> float:

@@ -170,6 +170,10 @@ class StreamDelivery:
         elif cursor.epoch != epoch or cursor.offset < top:
             self.check(stream)
 
+    def repairing(self, stream: str) -> bool:
+        """Whether a check of ``stream`` is under way."""
+        return stream in self._repairing
+
     def check(self, stream: str) -> None:
         """Compare ``stream``'s cursor with its history and deliver what is missing
         (once: a check already under way covers this one)."""

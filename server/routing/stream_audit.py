@@ -47,6 +47,8 @@ class HeldStreams(Protocol):
 
     def check(self, stream: str) -> None: ...
 
+    def repairing(self, stream: str) -> bool: ...
+
 
 def stream_topic(stream: str) -> str:
     """The bus topic a stream's events arrive on (a user stream's is its own name)."""
@@ -113,6 +115,8 @@ class StreamAudit:
                 cursor = cursors.get(stream)
                 if cursor is None or (cursor.epoch == read.epoch and cursor.offset >= read.top):
                     continue
+                if self._delivery.repairing(stream):
+                    continue  # a check under way (this audit's last, or a reconnect's)
                 before = behind_before.get(stream)
                 if before is not None and (cursor.epoch != before[0] or cursor.offset < before[1]):
                     self._report(stream, before)
