@@ -64,6 +64,13 @@ async def watcher_on(cluster: Cluster, node: str, user: str) -> Client:
     return client
 
 
+ARRIVAL_S = 120.0
+"""How long the queue's messages may take to reach the watchers and leave the queue.
+Each is a bound on waiting, not a speed: on a loaded machine (moto shared with
+the other workers, the chaos soak beside) 200 messages once took over 30 s. A
+message lost never arrives, so a longer wait costs only a failing run its time."""
+
+
 def seen(client: Client) -> list[int]:
     return [m["payload"]["n"] for m in client.of_verb("game")]
 
@@ -108,8 +115,8 @@ async def test_competing_consumers_deliver_each_message_once(
     watchers = [await watcher_on(cluster, name, f"w-{name}") for name in NODES]
     await asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 200))
     for watcher in watchers:
-        await eventually(lambda w=watcher: len(seen(w)) >= 200, 30, "200 events")  # type: ignore[misc]
-    await drained(cluster, queue_url, 10)
+        await eventually(lambda w=watcher: len(seen(w)) >= 200, ARRIVAL_S, "200 events")  # type: ignore[misc]
+    await drained(cluster, queue_url, ARRIVAL_S)
     await asyncio.sleep(1)  # room for a duplicate to show up
     for watcher in watchers:
         assert sorted(seen(watcher)) == list(range(200))
@@ -141,12 +148,12 @@ async def test_a_node_killed_mid_run_loses_and_duplicates_nothing(
     sender = asyncio.create_task(
         asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 300))
     )
-    await eventually(lambda: len(seen(watcher)) >= 50, 30, "the first events")
+    await eventually(lambda: len(seen(watcher)) >= 50, ARRIVAL_S, "the first events")
     cluster.kill("b1")  # with messages received and not yet deleted, most likely
     await sender
     # What b1 held comes back after the visibility timeout (3 s) and b2 takes it.
-    await eventually(lambda: len(seen(watcher)) >= 300, 40, "all 300 events")
-    await drained(cluster, queue_url, 10)
+    await eventually(lambda: len(seen(watcher)) >= 300, ARRIVAL_S, "all 300 events")
+    await drained(cluster, queue_url, ARRIVAL_S)
     await asyncio.sleep(1)
     # Nothing lost, nothing twice: a batch b1 published but never marked done is
     # published again by b2 after its claim lapses, and the streams' event ids
@@ -162,20 +169,20 @@ async def test_a_redis_restart_keeps_messages_in_the_queue_until_published(
     watchers = [await cluster.client(name, f"w-{name}", games=[("chess", "g1")]) for name in NODES]
     await asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 20))
     for watcher in watchers:
-        await eventually(lambda w=watcher: len(seen(w)) >= 20, 20, "the first 20")  # type: ignore[misc]
+        await eventually(lambda w=watcher: len(seen(w)) >= 20, ARRIVAL_S, "the first 20")  # type: ignore[misc]
     # Seen is not yet deleted: a batch whose appends landed but whose answers the stop
     # cuts off is handed back, and once Redis returns without its id keys it would be
     # appended again (the one window operations.md names). This test is about the
     # messages sent during the outage, so the first 20 are done before Redis stops.
-    await drained(cluster, queue_url, 30)
+    await drained(cluster, queue_url, ARRIVAL_S)
     cluster.redis.stop()
     await asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(20, 40))
     await asyncio.sleep(2)
     assert await asyncio.to_thread(depth, cluster.dynamodb_endpoint, queue_url) > 0
     cluster.redis.restart()
     for watcher in watchers:
-        await eventually(lambda w=watcher: len(seen(w)) >= 60, 30, "all 60")  # type: ignore[misc]
-    await drained(cluster, queue_url, 10)
+        await eventually(lambda w=watcher: len(seen(w)) >= 60, ARRIVAL_S, "all 60")  # type: ignore[misc]
+    await drained(cluster, queue_url, ARRIVAL_S)
     await asyncio.sleep(1)
     for watcher in watchers:
         assert watcher.ws.close_code is None  # connected through the outage
