@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from protocol.messages import GameKey
+from protocol.streams import stream_game
 
 GAME_PREFIX = "game:"
 ALL_GAMES = "games"
@@ -20,3 +21,9 @@ NODE_TOPICS = (ADMIN, PRESENCE, PRESENCE_HINTS)
 
 def game_topic(key: GameKey) -> str:
     return GAME_PREFIX + key
+
+
+def stream_topic(stream: str) -> str:
+    """The topic a stream's events arrive on (a user stream's is its own name)."""
+    key = stream_game(stream)
+    return game_topic(key) if key is not None else stream

@@ -24,9 +24,9 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from protocol.streams import StreamCursor, stream_game
+from protocol.streams import StreamCursor
 from server.bus.streams import HistoryAsk, Streams
-from server.bus.topics import game_topic
+from server.bus.topics import stream_topic
 from server.runtime.metrics import Registry
 from server.runtime.tasks import cancel_and_wait
 
@@ -48,12 +48,6 @@ class HeldStreams(Protocol):
     def check(self, stream: str) -> None: ...
 
     def repairing(self, stream: str) -> bool: ...
-
-
-def stream_topic(stream: str) -> str:
-    """The bus topic a stream's events arrive on (a user stream's is its own name)."""
-    key = stream_game(stream)
-    return game_topic(key) if key is not None else stream
 
 
 class StreamAudit:

@@ -22,7 +22,8 @@ from protocol.envelope import encode_envelope
 from protocol.parse import parse_broadcast
 from protocol.streams import StreamCursor
 from server.bus.redis_streams import RedisStreams, history_key, meta_key
-from server.routing.stream_audit import StreamAudit, stream_topic
+from server.bus.topics import stream_topic
+from server.routing.stream_audit import StreamAudit
 from server.runtime.metrics import Registry
 from tests.conftest import TEST_SETTINGS, run_server
 from tests.services import RedisServer
