@@ -38,6 +38,7 @@ class Settings:
     bot_max_connections: int = 4
     presence_debounce_ms: int = 1000
     outbox_limit_bytes: int = 1024 * 1024
+    write_delay_ms: float = 5.0
     ping_interval: float = 20.0
     ping_timeout: float = 20.0
     close_timeout: float = 5.0
@@ -120,6 +121,8 @@ _HELP: dict[str, str] = {
     "presence_debounce_ms": "window over which presence joins and leaves coalesce",
     "outbox_limit_bytes": "bytes a client may have unsent (user space plus the kernel's send "
     "queue, pongs included) before it is closed as slow (4008)",
+    "write_delay_ms": "at most this long a frame may wait so that more frames share a "
+    "socket's write (0: each loop turn's frames leave at its end)",
     "ping_interval": "seconds between keepalive pings",
     "ping_timeout": "seconds to wait for a pong before dropping the peer",
     "close_timeout": "seconds to wait for a closing handshake before dropping the socket",
@@ -199,6 +202,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 MIN_DEV_SECRET_CHARS = 32
 MIN_PUBLISH_SECRET_CHARS = 16
 MAX_PORT = 65535
+MAX_WRITE_DELAY_MS = 100.0
 
 SERVE = tuple(spec.name for spec in fields(Settings))
 """The settings ``serve`` takes: all of them."""
@@ -396,6 +400,11 @@ def _validate(settings: Settings) -> None:
     ):
         if getattr(settings, name) <= 0:
             raise ConfigError(f"{_flag(name)} must be positive")
+    if not 0 <= settings.write_delay_ms <= MAX_WRITE_DELAY_MS:
+        raise ConfigError(
+            f"--write-delay-ms must be from 0 to {MAX_WRITE_DELAY_MS:g} (a frame waits at most "
+            "this long, and its outbox is checked once per write)"
+        )
     if settings.stream_audit_seconds < 0:
         raise ConfigError("--stream-audit-seconds must be 0 (off) or positive")
     if not 0 <= settings.accept_queue_seconds <= 8:

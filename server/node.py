@@ -72,7 +72,7 @@ class Node:
         counting on ``metrics``, this node's own registry (``/metrics`` reads it)."""
         self.settings = settings
         self.metrics = metrics = metrics if metrics is not None else Registry()
-        self.traffic = Traffic(metrics)
+        self.traffic = Traffic(metrics, settings.write_delay_ms / 1000)
         count = metrics.counter
         self._published = count("ap_events_published_total", "Events accepted for fan-out")
         self.node_id = settings.node_id

@@ -2,12 +2,12 @@
 
 The outbox is the transport's own write buffer plus what the kernel holds
 for the socket: a frame is written by the end of the loop turn that sent it,
-and a session whose unsent bytes are over the limit is a slow consumer and is
-closed. No per-client queue or task sits between an event and the socket.
-Every write to a client goes through :func:`send_frame` (or
-:func:`send_frames`), so frames reach a socket in the order the node sends
-them; the frames one socket gets in one loop turn leave in one write
-(:class:`TurnWrites`).
+or within ``--write-delay-ms`` on a busy node, and a session whose unsent bytes
+are over the limit is a slow consumer and is closed. No per-client queue or
+task sits between an event and the socket. Every write to a client goes
+through :func:`send_frame` (or :func:`send_frames`), so frames reach a socket
+in the order the node sends them; the frames one socket gets before a flush
+leave in one write (:class:`TurnWrites`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 
 _ids = itertools.count()
 
+HELD_FRAMES = 16
+HELD_FRAME_BYTES = 16 * 1024
+"""Within ``--write-delay-ms``, a socket's frames wait for the flush only while they
+are fewer than these and each is at most this big: the outbox is checked once per
+flush, so what waits unchecked stays under 256 KiB a socket."""
+
 DRAIN_BATCH_SECONDS = 0.1
 """One batch of drain closes per this interval: 100 batches over the default 10 s."""
 
@@ -52,10 +58,10 @@ class Traffic:
         "turn",
     )
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, write_delay: float = 0.0) -> None:
         self.frames_sent = 0
         self.socket_writes = 0
-        self.turn = TurnWrites(self)
+        self.turn = TurnWrites(self, write_delay)
         self.frames_parsed = 0
         self.slow_consumers = 0
         self.flood_closes = 0
@@ -64,7 +70,7 @@ class Traffic:
         )
         registry.counter_func(
             "ap_socket_writes_total",
-            "Writes of frames to client sockets: the frames of one loop turn share one",
+            "Writes of frames to client sockets: the frames of one flush share one",
             lambda: self.socket_writes,
         )
         registry.counter_func(
@@ -90,39 +96,88 @@ class TurnWrites:
     A client watching several games that publish in the same loop turn gets
     all their frames in one ``transport.write``, one system call, where a write
     per frame would cost one each; the bytes and their order are the same.
-    A frame waits at most until the loop's next turn. The outbox check is made
-    on a socket's first frame of the turn: nothing is written until the flush,
-    so the later ones would find the same buffer. Whether the socket is still
-    open is checked at the flush, once per socket.
+    The outbox check is made on a socket's first frame of the flush: nothing
+    is written until then, so the later ones would find the same buffer.
+    Whether the socket is still open is checked at the flush, once per socket.
+
+    With a ``delay`` (``--write-delay-ms``), a flush less than ``delay`` after
+    the previous one waits until then, like the kernel's TCP autocorking: when
+    events are rare a frame leaves at the turn's end as before; when they are
+    frequent, the frames of several turns share a write, each waiting at most
+    ``delay``. A frame answering a client's own request (:meth:`prompt`) does
+    not wait: it leaves at the turn's end with the frames queued before it.
     """
 
-    __slots__ = ("dirty", "loop", "scheduled", "traffic")
+    __slots__ = (
+        "delay",
+        "dirty",
+        "flushed_at",
+        "loop",
+        "prompted",
+        "prompts",
+        "scheduled",
+        "traffic",
+    )
 
-    def __init__(self, traffic: Traffic) -> None:
+    def __init__(self, traffic: Traffic, delay: float = 0.0) -> None:
         self.traffic = traffic
-        self.dirty: list[Session] = []  # sessions with frames pending this turn
+        self.delay = delay
+        self.flushed_at = float("-inf")  # loop time of the last flush (kept with a delay)
+        self.dirty: list[Session] = []  # sessions with frames pending
         self.scheduled = False
+        self.prompts: list[Session] = []  # sessions whose frames leave at this turn's end
+        self.prompted = False
         # The node's loop, held from its first turn: asyncio.get_running_loop()
         # costs a getpid() system call on CPython 3.11.
         self.loop: asyncio.AbstractEventLoop | None = None
 
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        loop = self.loop
+        if loop is None:
+            loop = self.loop = asyncio.get_running_loop()
+        return loop
+
     def schedule(self) -> None:
         if not self.scheduled:
             self.scheduled = True
-            loop = self.loop
-            if loop is None:
-                loop = self.loop = asyncio.get_running_loop()
+            loop = self._loop()
+            if self.delay:
+                due = self.flushed_at + self.delay
+                if due > loop.time():
+                    loop.call_at(due, self.flush)
+                    return
             loop.call_soon(self.flush)
+
+    def prompt(self, session: Session) -> None:
+        """Write ``session``'s pending frames at this turn's end, even within a delay."""
+        if not self.delay:
+            return  # every flush is at the turn's end
+        self.prompts.append(session)
+        if not self.prompted:
+            self.prompted = True
+            self._loop().call_soon(self._flush_prompts)
+
+    def _flush_prompts(self) -> None:
+        self.prompted = False
+        prompts, self.prompts = self.prompts, []
+        # They stay in ``dirty``: the flush finds nothing pending for them, or
+        # only what came after.
+        self._write(prompts)
 
     def flush(self) -> None:
         self.scheduled = False
+        if self.delay:
+            self.flushed_at = self._loop().time()
         dirty, self.dirty = self.dirty, []
+        self._write(dirty)
+
+    def _write(self, sessions: list[Session]) -> None:
         opened = State.OPEN
         writes = frames = 0
-        for session in dirty:
+        for session in sessions:
             pending = session.pending
             if pending is None:
-                continue  # written by its close
+                continue  # written by its close, or already (a prompt)
             session.pending = None
             extra = session.extra_frames  # a FrameRun's frames beyond its first
             if extra:
@@ -257,8 +312,12 @@ class Session:
         return self.watch_version is None and not self.watching
 
     def send(self, frame: Frame, outbox_limit: int) -> None:
-        """Write one frame now, or close the session if it cannot keep up."""
-        send_frame([self], frame, outbox_limit)
+        """Write one frame at this turn's end, or close the session if it cannot keep up.
+
+        A frame for one session answers it (an ack, an error, a snapshot): it
+        does not wait out ``--write-delay-ms``."""
+        if send_frame([self], frame, outbox_limit):
+            self.turn.prompt(self)
 
     def send_error(
         self,
@@ -416,18 +475,23 @@ def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> 
     dirty: list[Session] | None = None
     text: bytes | None = None
     binary: bytes | None = None
+    text_held = binary_held = held = True  # small enough to wait out a write delay
     for session in sessions:
         if session.binary:
             if binary is None:
                 binary = frame.binary_wire
+                binary_held = len(binary) <= HELD_FRAME_BYTES
             data = binary
+            held = binary_held
         else:
             if text is None:
                 text = frame.text_wire
+                text_held = len(text) <= HELD_FRAME_BYTES
             data = text
+            held = text_held
         pending = session.pending
         if pending is None:
-            # Its first frame of this turn: the outbox is checked once per turn.
+            # Its first frame of this flush: the outbox is checked once per flush.
             if session.close_task is not None:
                 continue
             suspect = session.write_paused or session.unpaused_most > outbox_limit
@@ -442,8 +506,14 @@ def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> 
             dirty.append(session)
         elif isinstance(pending, list):
             pending.append(data)
+            if len(pending) == HELD_FRAMES:
+                held = False
         else:
             session.pending = [pending, data]
+        if not held:
+            # What waits unchecked for the outbox stays small: big frames, or
+            # many, leave at this turn's end.
+            session.turn.prompt(session)
         sent += 1
     return sent
 
@@ -476,6 +546,7 @@ def send_frames(session: Session, frames: Sequence[Frame | FrameRun], outbox_lim
         data.insert(0, pending)
     session.pending = data
     session.extra_frames += extra
+    session.turn.prompt(session)  # a replay answers its session: it does not wait
     return True
 
 

@@ -3,11 +3,15 @@ together, in order, and nothing written after a close frame."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from protocol.codec import Frame
 from protocol.errors import CloseCode, ErrorCode
 from protocol.messages import GameEvent, Positioned
 from protocol.streams import game_stream
-from server.session import Session, send_frame, send_frames
+from server.session import HELD_FRAME_BYTES, HELD_FRAMES, Session, send_frame, send_frames
 from tests.client import Client
 from tests.conftest import RunningServer
 
@@ -73,3 +77,86 @@ async def test_frames_of_a_session_closed_in_the_same_turn_are_not_sent_after_it
     assert session.pending is None
     assert await alice.closed() == (CloseCode.POLICY_VIOLATION, "going")
     assert numbers(alice) == [1]
+
+
+@pytest.mark.parametrize("server", [{"write_delay_ms": 20}], indirect=True)
+async def test_with_a_write_delay_the_frames_of_several_turns_share_one_write(
+    server: RunningServer,
+) -> None:
+    alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
+    session = session_of(server, "alice")
+    turn = server.node.traffic.turn
+    assert turn.delay == 0.02  # from --write-delay-ms
+    # As if a flush had just run and the delay were long: none comes due while we look.
+    turn.delay = 3600.0
+    turn.flushed_at = asyncio.get_running_loop().time()
+    traffic = server.node.traffic
+    writes, frames = traffic.socket_writes, traffic.frames_sent
+    for n in (1, 2, 3):
+        assert send_frame([session], event("chess", "g1", n), LIMIT) == 1
+        await asyncio.sleep(0)  # the next loop turn
+    assert traffic.socket_writes == writes  # they wait out the delay
+    # An answer to the client does not wait; the frames before it leave with it.
+    assert send_frames(session, [event("chess", "g1", 4)], LIMIT)
+    session.send_error(ErrorCode.RATE_LIMITED, "an answer", LIMIT)
+    await alice.next_message(lambda m: m.get("verb") == "error")
+    assert numbers(alice) == [1, 2, 3, 4]
+    assert traffic.socket_writes - writes == 1
+    assert traffic.frames_sent - frames == 5
+
+
+@pytest.mark.parametrize("server", [{"write_delay_ms": 20}], indirect=True)
+async def test_with_a_write_delay_held_frames_leave_when_it_is_over(
+    server: RunningServer,
+) -> None:
+    alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
+    bob = await server.subscribed("bob", games=[("chess", "g1")], wants_presence=False)
+    a, b = session_of(server, "alice"), session_of(server, "bob")
+    for n in range(1, 6):
+        send_frame([a, b], event("chess", "g1", n), LIMIT)
+        await asyncio.sleep(0.005)
+    for client in (alice, bob):
+        await client.next_message(lambda m: m.get("payload", {}).get("n") == 5)
+        assert numbers(client) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("server", [{"write_delay_ms": 20}], indirect=True)
+async def test_with_a_write_delay_a_close_writes_the_held_frames_first(
+    server: RunningServer,
+) -> None:
+    alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
+    session = session_of(server, "alice")
+    turn = server.node.traffic.turn
+    turn.delay = 3600.0
+    turn.flushed_at = asyncio.get_running_loop().time()
+    send_frame([session], event("chess", "g1", 1), LIMIT)
+    await asyncio.sleep(0)
+    assert session.pending is not None  # held
+    session.close(CloseCode.POLICY_VIOLATION, "going")
+    assert await alice.closed() == (CloseCode.POLICY_VIOLATION, "going")
+    assert numbers(alice) == [1]
+
+
+@pytest.mark.parametrize("server", [{"write_delay_ms": 20}], indirect=True)
+async def test_within_a_write_delay_many_frames_or_a_big_one_do_not_wait(
+    server: RunningServer,
+) -> None:
+    alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
+    session = session_of(server, "alice")
+    turn = server.node.traffic.turn
+    turn.delay = 3600.0
+    turn.flushed_at = asyncio.get_running_loop().time()
+    traffic = server.node.traffic
+    writes = traffic.socket_writes
+    for n in range(1, HELD_FRAMES):
+        send_frame([session], event("chess", "g1", n), LIMIT)
+        await asyncio.sleep(0)
+    assert traffic.socket_writes == writes  # fewer than HELD_FRAMES: they wait
+    send_frame([session], event("chess", "g1", HELD_FRAMES), LIMIT)
+    await alice.next_message(lambda m: m.get("payload", {}).get("n") == HELD_FRAMES)
+    assert traffic.socket_writes == writes + 1
+    big = GameEvent("game", "chess", "g1", {"n": 0, "pad": "x" * HELD_FRAME_BYTES})
+    send_frame([session], Frame(Positioned(big, game_stream(big.key), "e", 99)), LIMIT)
+    await alice.next_message(lambda m: m.get("payload", {}).get("n") == 0)
+    assert numbers(alice) == [*range(1, HELD_FRAMES + 1), 0]
+    assert traffic.socket_writes == writes + 2
