@@ -38,7 +38,7 @@ class Settings:
     bot_max_connections: int = 4
     presence_debounce_ms: int = 1000
     outbox_limit_bytes: int = 1024 * 1024
-    write_delay_ms: float = 5.0
+    write_delay_ms: float = 2.0
     ping_interval: float = 20.0
     ping_timeout: float = 20.0
     close_timeout: float = 5.0
@@ -121,8 +121,8 @@ _HELP: dict[str, str] = {
     "presence_debounce_ms": "window over which presence joins and leaves coalesce",
     "outbox_limit_bytes": "bytes a client may have unsent (user space plus the kernel's send "
     "queue, pongs included) before it is closed as slow (4008)",
-    "write_delay_ms": "at most this long a frame may wait so that more frames share a "
-    "socket's write (0: each loop turn's frames leave at its end)",
+    "write_delay_ms": "while the node is busy, at most this long a frame may wait so that "
+    "more frames share a socket's write (0: each loop turn's frames leave at its end)",
     "ping_interval": "seconds between keepalive pings",
     "ping_timeout": "seconds to wait for a pong before dropping the peer",
     "close_timeout": "seconds to wait for a closing handshake before dropping the socket",

@@ -100,31 +100,37 @@ class TurnWrites:
     is written until then, so the later ones would find the same buffer.
     Whether the socket is still open is checked at the flush, once per socket.
 
-    With a ``delay`` (``--write-delay-ms``), a flush less than ``delay`` after
-    the previous one waits until then, like the kernel's TCP autocorking: when
-    events are rare a frame leaves at the turn's end as before; when they are
-    frequent, the frames of several turns share a write, each waiting at most
-    ``delay``. A frame answering a client's own request (:meth:`prompt`) does
-    not wait: it leaves at the turn's end with the frames queued before it.
+    With a ``delay`` (``--write-delay-ms``), the flush first lets the loop take
+    one more turn of input. If that turn sent no frames, the node has caught up
+    and the flush comes at once: a node with spare CPU adds a turn, microseconds.
+    If it sent more, the node is busy: the flush waits until ``delay`` after the
+    first frame, and the frames of all those turns share each socket's write,
+    one system call where there would be several. A frame answering a client's
+    own request (:meth:`prompt`) does not wait: it leaves at the turn's end with
+    the frames queued before it.
     """
 
     __slots__ = (
         "delay",
         "dirty",
-        "flushed_at",
+        "due",
         "loop",
         "prompted",
         "prompts",
         "scheduled",
+        "seen",
+        "sends",
         "traffic",
     )
 
     def __init__(self, traffic: Traffic, delay: float = 0.0) -> None:
         self.traffic = traffic
         self.delay = delay
-        self.flushed_at = float("-inf")  # loop time of the last flush (kept with a delay)
         self.dirty: list[Session] = []  # sessions with frames pending
         self.scheduled = False
+        self.sends = 0  # send_frame calls that sent something
+        self.seen = 0  # sends when the turn being watched began
+        self.due = 0.0  # loop time by which a delayed flush comes
         self.prompts: list[Session] = []  # sessions whose frames leave at this turn's end
         self.prompted = False
         # The node's loop, held from its first turn: asyncio.get_running_loop()
@@ -142,11 +148,21 @@ class TurnWrites:
             self.scheduled = True
             loop = self._loop()
             if self.delay:
-                due = self.flushed_at + self.delay
-                if due > loop.time():
-                    loop.call_at(due, self.flush)
-                    return
-            loop.call_soon(self.flush)
+                self.due = loop.time() + self.delay
+                loop.call_soon(self._watch_a_turn)
+            else:
+                loop.call_soon(self.flush)
+
+    def _watch_a_turn(self) -> None:
+        # Runs before the next turn's input is handled; the check after it.
+        self.seen = self.sends
+        self._loop().call_soon(self._flush_unless_busy)
+
+    def _flush_unless_busy(self) -> None:
+        if self.sends == self.seen:
+            self.flush()  # that turn sent nothing: caught up
+        else:
+            self._loop().call_at(self.due, self.flush)
 
     def prompt(self, session: Session) -> None:
         """Write ``session``'s pending frames at this turn's end, even within a delay."""
@@ -166,8 +182,6 @@ class TurnWrites:
 
     def flush(self) -> None:
         self.scheduled = False
-        if self.delay:
-            self.flushed_at = self._loop().time()
         dirty, self.dirty = self.dirty, []
         self._write(dirty)
 
@@ -515,6 +529,8 @@ def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> 
             # many, leave at this turn's end.
             session.turn.prompt(session)
         sent += 1
+    if sent:
+        session.turn.sends += 1  # still sending: a delayed flush waits (TurnWrites)
     return sent
 
 

@@ -79,22 +79,38 @@ async def test_frames_of_a_session_closed_in_the_same_turn_are_not_sent_after_it
     assert numbers(alice) == [1]
 
 
+def hold_for_an_hour(server: RunningServer) -> None:
+    """No delayed flush comes due while a test looks."""
+    server.node.traffic.turn.delay = 3600.0
+
+
+async def busy_turns(session: Session, numbers: range) -> None:
+    """Frames in consecutive loop turns: a node still taking input each turn."""
+    for n in numbers:
+        assert send_frame([session], event("chess", "g1", n), LIMIT) == 1
+        await asyncio.sleep(0)
+
+
 @pytest.mark.parametrize("server", [{"write_delay_ms": 20}], indirect=True)
-async def test_with_a_write_delay_the_frames_of_several_turns_share_one_write(
+async def test_with_a_write_delay_a_caught_up_node_writes_at_once(server: RunningServer) -> None:
+    alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
+    assert server.node.traffic.turn.delay == 0.02  # from --write-delay-ms
+    hold_for_an_hour(server)
+    send_frame([session_of(server, "alice")], event("chess", "g1", 1), LIMIT)
+    # The next turn sends nothing: the flush does not wait out the hour.
+    await alice.next_message(lambda m: m.get("payload", {}).get("n") == 1)
+
+
+@pytest.mark.parametrize("server", [{"write_delay_ms": 20}], indirect=True)
+async def test_with_a_write_delay_a_busy_nodes_frames_of_several_turns_share_one_write(
     server: RunningServer,
 ) -> None:
     alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
     session = session_of(server, "alice")
-    turn = server.node.traffic.turn
-    assert turn.delay == 0.02  # from --write-delay-ms
-    # As if a flush had just run and the delay were long: none comes due while we look.
-    turn.delay = 3600.0
-    turn.flushed_at = asyncio.get_running_loop().time()
+    hold_for_an_hour(server)
     traffic = server.node.traffic
     writes, frames = traffic.socket_writes, traffic.frames_sent
-    for n in (1, 2, 3):
-        assert send_frame([session], event("chess", "g1", n), LIMIT) == 1
-        await asyncio.sleep(0)  # the next loop turn
+    await busy_turns(session, range(1, 4))
     assert traffic.socket_writes == writes  # they wait out the delay
     # An answer to the client does not wait; the frames before it leave with it.
     assert send_frames(session, [event("chess", "g1", 4)], LIMIT)
@@ -112,12 +128,17 @@ async def test_with_a_write_delay_held_frames_leave_when_it_is_over(
     alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
     bob = await server.subscribed("bob", games=[("chess", "g1")], wants_presence=False)
     a, b = session_of(server, "alice"), session_of(server, "bob")
-    for n in range(1, 6):
+    traffic = server.node.traffic
+    writes, frames = traffic.socket_writes, traffic.frames_sent
+    for n in range(1, 11):
         send_frame([a, b], event("chess", "g1", n), LIMIT)
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(0)
     for client in (alice, bob):
-        await client.next_message(lambda m: m.get("payload", {}).get("n") == 5)
-        assert numbers(client) == [1, 2, 3, 4, 5]
+        await client.next_message(lambda m: m.get("payload", {}).get("n") == 10)
+        assert numbers(client) == list(range(1, 11))
+    assert traffic.frames_sent - frames == 20
+    # Each flush waited for at least four turns' frames, however slow the turns.
+    assert traffic.socket_writes - writes <= 2 * 3
 
 
 @pytest.mark.parametrize("server", [{"write_delay_ms": 20}], indirect=True)
@@ -126,15 +147,12 @@ async def test_with_a_write_delay_a_close_writes_the_held_frames_first(
 ) -> None:
     alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
     session = session_of(server, "alice")
-    turn = server.node.traffic.turn
-    turn.delay = 3600.0
-    turn.flushed_at = asyncio.get_running_loop().time()
-    send_frame([session], event("chess", "g1", 1), LIMIT)
-    await asyncio.sleep(0)
+    hold_for_an_hour(server)
+    await busy_turns(session, range(1, 4))
     assert session.pending is not None  # held
     session.close(CloseCode.POLICY_VIOLATION, "going")
     assert await alice.closed() == (CloseCode.POLICY_VIOLATION, "going")
-    assert numbers(alice) == [1]
+    assert numbers(alice) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("server", [{"write_delay_ms": 20}], indirect=True)
@@ -143,20 +161,17 @@ async def test_within_a_write_delay_many_frames_or_a_big_one_do_not_wait(
 ) -> None:
     alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
     session = session_of(server, "alice")
-    turn = server.node.traffic.turn
-    turn.delay = 3600.0
-    turn.flushed_at = asyncio.get_running_loop().time()
+    hold_for_an_hour(server)
     traffic = server.node.traffic
     writes = traffic.socket_writes
-    for n in range(1, HELD_FRAMES):
-        send_frame([session], event("chess", "g1", n), LIMIT)
-        await asyncio.sleep(0)
+    await busy_turns(session, range(1, HELD_FRAMES))
     assert traffic.socket_writes == writes  # fewer than HELD_FRAMES: they wait
     send_frame([session], event("chess", "g1", HELD_FRAMES), LIMIT)
     await alice.next_message(lambda m: m.get("payload", {}).get("n") == HELD_FRAMES)
     assert traffic.socket_writes == writes + 1
+    await busy_turns(session, range(HELD_FRAMES + 1, HELD_FRAMES + 3))
     big = GameEvent("game", "chess", "g1", {"n": 0, "pad": "x" * HELD_FRAME_BYTES})
     send_frame([session], Frame(Positioned(big, game_stream(big.key), "e", 99)), LIMIT)
     await alice.next_message(lambda m: m.get("payload", {}).get("n") == 0)
-    assert numbers(alice) == [*range(1, HELD_FRAMES + 1), 0]
+    assert numbers(alice) == [*range(1, HELD_FRAMES + 3), 0]
     assert traffic.socket_writes == writes + 2
