@@ -91,7 +91,7 @@ class Traffic:
 
 
 class TurnWrites:
-    """A node's frames of one loop turn, written at its end: one write per socket.
+    """A node's pending frames, written together: one write per socket per flush.
 
     A client watching several games that publish in the same loop turn gets
     all their frames in one ``transport.write``, one system call, where a write
@@ -154,7 +154,7 @@ class TurnWrites:
                 loop.call_soon(self.flush)
 
     def _watch_a_turn(self) -> None:
-        # Runs before the next turn's input is handled; the check after it.
+        # The next turn: the check one turn later sees whether this one sent frames.
         self.seen = self.sends
         self._loop().call_soon(self._flush_unless_busy)
 
