@@ -30,6 +30,11 @@ from server.store.dynamodb import DynamoStore
 from tests.conftest import TEST_REGION, new_table
 from tests.services import redis_url_for_tests
 
+WITHIN_S = 120.0
+"""How long a reader may take to get somewhere over moto. A run beside busy loops and
+the chaos soak, all sharing one moto, once took over 30 s for a handover; a reader
+that never gets there still fails, a slow machine only waits longer."""
+
 # --- planning (pure) -------------------------------------------------------------
 # Splits and closed shards are tested here, on the planner, and not over HTTP: moto's
 # DynamoDB Streams has one shard per table that never closes or splits (no parent, no
@@ -186,13 +191,13 @@ async def test_a_first_start_begins_at_the_latest_record(
     reader = reader_for(dynamodb_endpoint, table, store, recorder)
     await reader.start()
     try:
-        await until(lambda: bool(reader.positioned), 20, "the reader at the latest record")
+        await until(lambda: bool(reader.positioned), WITHIN_S, "the reader at the latest record")
         put_notification(raw, table, "alice", 1)
         raw.put_item(TableName=table, Item={"pk": {"S": "GAME"}, "sk": {"S": "g1"}})
-        await until(lambda: len(recorder.records) >= 2, 20, "two records")
+        await until(lambda: len(recorder.records) >= 2, WITHIN_S, "two records")
         # Delivered first, checkpointed after: wait for the checkpoint too.
         arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
-        checkpoints = await checkpoints_of(store, arn, 20)
+        checkpoints = await checkpoints_of(store, arn, WITHIN_S)
     finally:
         await reader.stop()
     assert recorder.numbers() == [1]
@@ -206,14 +211,14 @@ async def test_a_restart_resumes_at_the_checkpoint(
     first = Recorder()
     reader = reader_for(dynamodb_endpoint, table, store, first)
     await reader.start()
-    await until(lambda: bool(reader.positioned), 20, "the reader at the latest record")
+    await until(lambda: bool(reader.positioned), WITHIN_S, "the reader at the latest record")
     for n in range(3):
         put_notification(raw, table, "bob", n)
-    await until(lambda: len(first.numbers()) == 3, 20, "three rows")
+    await until(lambda: len(first.numbers()) == 3, WITHIN_S, "three rows")
     # Delivered first, checkpointed after: stopped before the checkpoint, the next
     # reader would read them again (at least once, by design).
     arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
-    await checkpoints_of(store, arn, 20, at=first)
+    await checkpoints_of(store, arn, WITHIN_S, at=first)
     await reader.stop()
     for n in range(3, 6):  # written while no reader runs
         put_notification(raw, table, "bob", n)
@@ -221,9 +226,9 @@ async def test_a_restart_resumes_at_the_checkpoint(
     again = reader_for(dynamodb_endpoint, table, store, second)
     await again.start()
     try:
-        await until(lambda: len(second.numbers()) >= 3, 20, "the rows written meanwhile")
+        await until(lambda: len(second.numbers()) >= 3, WITHIN_S, "the rows written meanwhile")
         put_notification(raw, table, "bob", 6)
-        await until(lambda: len(second.numbers()) >= 4, 20, "a live row")
+        await until(lambda: len(second.numbers()) >= 4, WITHIN_S, "a live row")
         await asyncio.sleep(0.3)
     finally:
         await again.stop()
@@ -246,15 +251,15 @@ async def test_one_reader_at_a_time_and_a_handover_skips_nothing(
         for reader in readers:
             await reader.start()
         try:
-            await until(lambda: any(r.positioned for r in readers), 20, "a reader")
+            await until(lambda: any(r.positioned for r in readers), WITHIN_S, "a reader")
             await asyncio.sleep(1.5)
             assert sum(r.reading for r in readers) == 1
             active = 0 if readers[0].reading else 1
             for n in range(3):
                 put_notification(raw, table, "carol", n)
-            await until(lambda: len(recorders[active].numbers()) == 3, 20, "three rows")
+            await until(lambda: len(recorders[active].numbers()) == 3, WITHIN_S, "three rows")
             arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
-            await checkpoints_of(store, arn, 20, at=recorders[active])
+            await checkpoints_of(store, arn, WITHIN_S, at=recorders[active])
             # The active reader dies without a goodbye: its lease lapses. (Killed between
             # publishing and checkpointing, it would leave them to be read again: the
             # notification push's dedup keys catch that, not the reader.)
@@ -265,7 +270,7 @@ async def test_one_reader_at_a_time_and_a_handover_skips_nothing(
             for n in range(3, 6):
                 put_notification(raw, table, "carol", n)
             other = 1 - active
-            await until(lambda: len(recorders[other].numbers()) >= 3, 30, "the handover")
+            await until(lambda: len(recorders[other].numbers()) >= 3, WITHIN_S, "the handover")
         finally:
             for reader in readers:
                 await reader.stop()
