@@ -29,6 +29,15 @@ def session_of(server: RunningServer, user_id: str) -> Session:
     return session
 
 
+async def watchers_of_g1(server: RunningServer, *users: str) -> list[tuple[Client, Session]]:
+    """Clients watching g1, each with its session on the server."""
+    clients = [
+        await server.subscribed(user, games=[("chess", "g1")], wants_presence=False)
+        for user in users
+    ]
+    return [(client, session_of(server, user)) for client, user in zip(clients, users, strict=True)]
+
+
 def numbers(client: Client) -> list[int]:
     return [m["payload"]["n"] for m in client.of_verb("game")]
 
@@ -36,9 +45,7 @@ def numbers(client: Client) -> list[int]:
 async def test_the_frames_of_one_turn_leave_in_one_write_per_socket_in_order(
     server: RunningServer,
 ) -> None:
-    alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
-    bob = await server.subscribed("bob", games=[("chess", "g1")], wants_presence=False)
-    a, b = session_of(server, "alice"), session_of(server, "bob")
+    (alice, a), (bob, b) = await watchers_of_g1(server, "alice", "bob")
     traffic = server.node.traffic
     writes, frames = traffic.socket_writes, traffic.frames_sent
     # One synchronous block: one loop turn. Bob gets a replay of two in the middle.
@@ -88,6 +95,13 @@ async def hold_for_an_hour(server: RunningServer) -> None:
     turn.delay = 3600.0
 
 
+async def alice_held(server: RunningServer) -> tuple[Client, Session]:
+    """Alice, watching g1 on a node whose delayed flushes wait an hour."""
+    ((alice, session),) = await watchers_of_g1(server, "alice")
+    await hold_for_an_hour(server)
+    return alice, session
+
+
 async def busy_turns(session: Session, numbers: range) -> None:
     """Frames in consecutive loop turns: a node still taking input each turn."""
     for n in numbers:
@@ -109,9 +123,7 @@ async def test_with_a_write_delay_a_caught_up_node_writes_at_once(server: Runnin
 async def test_with_a_write_delay_a_busy_nodes_frames_of_several_turns_share_one_write(
     server: RunningServer,
 ) -> None:
-    alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
-    session = session_of(server, "alice")
-    await hold_for_an_hour(server)
+    alice, session = await alice_held(server)
     traffic = server.node.traffic
     writes, frames = traffic.socket_writes, traffic.frames_sent
     await busy_turns(session, range(1, 4))
@@ -129,9 +141,7 @@ async def test_with_a_write_delay_a_busy_nodes_frames_of_several_turns_share_one
 async def test_with_a_write_delay_held_frames_leave_when_it_is_over(
     server: RunningServer,
 ) -> None:
-    alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
-    bob = await server.subscribed("bob", games=[("chess", "g1")], wants_presence=False)
-    a, b = session_of(server, "alice"), session_of(server, "bob")
+    (alice, a), (bob, b) = await watchers_of_g1(server, "alice", "bob")
     traffic = server.node.traffic
     writes, frames = traffic.socket_writes, traffic.frames_sent
     for n in range(1, 11):
@@ -150,9 +160,7 @@ async def test_with_a_write_delay_held_frames_leave_when_it_is_over(
 async def test_with_a_write_delay_a_close_writes_the_held_frames_first(
     server: RunningServer,
 ) -> None:
-    alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
-    session = session_of(server, "alice")
-    await hold_for_an_hour(server)
+    alice, session = await alice_held(server)
     await busy_turns(session, range(1, 4))
     assert session.pending is not None  # held
     session.close(CloseCode.POLICY_VIOLATION, "going")
@@ -164,9 +172,7 @@ async def test_with_a_write_delay_a_close_writes_the_held_frames_first(
 async def test_within_a_write_delay_many_frames_or_a_big_one_do_not_wait(
     server: RunningServer,
 ) -> None:
-    alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
-    session = session_of(server, "alice")
-    await hold_for_an_hour(server)
+    alice, session = await alice_held(server)
     traffic = server.node.traffic
     writes = traffic.socket_writes
     await busy_turns(session, range(1, HELD_FRAMES))
