@@ -275,8 +275,8 @@ class Session:
         self.close_task: asyncio.Task[None] | None = None
         self.credits = credits  # frames this socket may still send (flood control)
         self.traffic = traffic  # its node's frame counts
-        self.turn = traffic.turn  # where its frames wait for the end of the loop turn
-        # Its frames of this turn, if any: one frame's bytes alone (the common
+        self.turn = traffic.turn  # where its frames wait for the next flush
+        # Its frames waiting for the flush, if any: one frame's bytes alone (the common
         # case allocates no list), else a list of them.
         self.pending: bytes | list[bytes] | None = None
         self.extra_frames = 0  # frames pending beyond one per piece (a FrameRun is several)
@@ -346,8 +346,8 @@ class Session:
     def send_control(self, data: bytes) -> bool:
         """Write a control frame (``data``, framed) now; False once closing.
 
-        A control frame may go between any two frames, so this turn's frames
-        may follow it; it must not follow a close frame, which is never
+        A control frame may go between any two frames, so the frames waiting
+        for the flush may follow it; it must not follow a close frame, which is never
         written while the session is open and not closing."""
         if self.close_task is not None or self.ws.protocol.state is not State.OPEN:
             return False
@@ -355,7 +355,8 @@ class Session:
         return True
 
     def write_pending(self) -> None:
-        """Write this turn's frames now, ahead of a close frame that must come last."""
+        """Write the frames waiting for the flush now, ahead of a close frame that must
+        come last."""
         pending = self.pending
         if pending is not None:
             self.pending = None
@@ -476,7 +477,7 @@ def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> 
     """Send ``frame`` to every session not closing; returns how many got it.
 
     The WebSocket frame is serialized once per format and its bytes join each
-    session's frames of this loop turn, written at its end (:class:`TurnWrites`;
+    session's frames waiting for the next flush (:class:`TurnWrites`;
     ``websockets.broadcast`` would frame the same bytes again per socket).
     Sessions whose outbox is over ``outbox_limit`` bytes are closed as slow
     consumers instead; nobody else waits for them. Every session belongs to
@@ -535,7 +536,7 @@ def send_frame(sessions: Iterable[Session], frame: Frame, outbox_limit: int) -> 
 
 
 def send_frames(session: Session, frames: Sequence[Frame | FrameRun], outbox_limit: int) -> bool:
-    """Send ``frames`` to one session, in order: with its other frames of this turn,
+    """Send ``frames`` to one session, in order: with its other waiting frames,
     a replay of many events costs one system call rather than one per event.
     False when the session is closed or closing (as a slow consumer, if over
     ``outbox_limit``)."""
