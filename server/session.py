@@ -74,6 +74,16 @@ class Traffic:
             lambda: self.socket_writes,
         )
         registry.counter_func(
+            "ap_write_flushes_total",
+            "Flushes of the frames waiting for client sockets",
+            lambda: self.turn.flushes,
+        )
+        registry.counter_func(
+            "ap_write_flushes_held_total",
+            "Flushes that waited out --write-delay-ms because the node was still sending",
+            lambda: self.turn.held,
+        )
+        registry.counter_func(
             "ap_slow_consumers_total",
             "Connections closed because their outbox overflowed",
             lambda: self.slow_consumers,
@@ -114,6 +124,8 @@ class TurnWrites:
         "delay",
         "dirty",
         "due",
+        "flushes",
+        "held",
         "loop",
         "prompted",
         "prompts",
@@ -133,6 +145,8 @@ class TurnWrites:
         self.due = 0.0  # loop time by which a delayed flush comes
         self.prompts: list[Session] = []  # sessions whose frames leave at this turn's end
         self.prompted = False
+        self.flushes = 0
+        self.held = 0  # flushes that waited for ``due``: the delay at work
         # The node's loop, held from its first turn: asyncio.get_running_loop()
         # costs a getpid() system call on CPython 3.11.
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -162,6 +176,7 @@ class TurnWrites:
         if self.sends == self.seen:
             self.flush()  # that turn sent nothing: caught up
         else:
+            self.held += 1
             self._loop().call_at(self.due, self.flush)
 
     def prompt(self, session: Session) -> None:
@@ -182,6 +197,7 @@ class TurnWrites:
 
     def flush(self) -> None:
         self.scheduled = False
+        self.flushes += 1
         dirty, self.dirty = self.dirty, []
         self._write(dirty)
 

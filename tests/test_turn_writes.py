@@ -102,6 +102,12 @@ async def alice_held(server: RunningServer) -> tuple[Client, Session]:
     return alice, session
 
 
+def flush_counts(server: RunningServer) -> tuple[float, float]:
+    """The node's flushes, and those held by the write delay, as ``/metrics`` shows them."""
+    metrics = server.node.metrics
+    return metrics.value("ap_write_flushes_total"), metrics.value("ap_write_flushes_held_total")
+
+
 async def busy_turns(session: Session, numbers: range) -> None:
     """Frames in consecutive loop turns: a node still taking input each turn."""
     for n in numbers:
@@ -114,9 +120,13 @@ async def test_with_a_write_delay_a_caught_up_node_writes_at_once(server: Runnin
     alice = await server.subscribed("alice", games=[("chess", "g1")], wants_presence=False)
     assert server.node.traffic.turn.delay == 0.02  # from --write-delay-ms
     await hold_for_an_hour(server)
+    flushes, held = flush_counts(server)
     send_frame([session_of(server, "alice")], event("chess", "g1", 1), LIMIT)
     # The next turn sends nothing: the flush does not wait out the hour.
     await alice.next_message(lambda m: m.get("payload", {}).get("n") == 1)
+    after_flushes, after_held = flush_counts(server)
+    assert after_flushes > flushes
+    assert after_held == held  # what an operator sees: the delay did not apply
 
 
 @pytest.mark.parametrize("server", [{"write_delay_ms": 20}], indirect=True)
@@ -126,8 +136,10 @@ async def test_with_a_write_delay_a_busy_nodes_frames_of_several_turns_share_one
     alice, session = await alice_held(server)
     traffic = server.node.traffic
     writes, frames = traffic.socket_writes, traffic.frames_sent
+    _, held = flush_counts(server)
     await busy_turns(session, range(1, 4))
     assert traffic.socket_writes == writes  # they wait out the delay
+    assert flush_counts(server)[1] == held + 1  # counted as held while it waits
     # An answer to the client does not wait; the frames before it leave with it.
     assert send_frames(session, [event("chess", "g1", 4)], LIMIT)
     session.send_error(ErrorCode.RATE_LIMITED, "an answer", LIMIT)
