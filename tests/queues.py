@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import boto3
@@ -75,12 +72,3 @@ def drain_bodies(endpoint: str, queue_url: str) -> list[str]:
         for message in messages:
             bodies.append(message["Body"])
             client.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])
-
-
-async def eventually(check: Callable[[], Any], within: float, what: str) -> None:
-    """Wait for ``check`` (run in a thread: it may call SQS with boto3), with a deadline."""
-    deadline = time.monotonic() + within
-    while not await asyncio.to_thread(check):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within:g}s waiting for {what}")
-        await asyncio.sleep(0.1)

@@ -20,8 +20,8 @@ from apclient import (
     ResyncInfo,
     ServerError,
 )
-from tests.cluster.harness import eventually
 from tests.services import HOST
+from tests.waiting import eventually
 
 STREAM_VERBS = ("game", "chat", "yourTurn", "notification", "challenge", "gameStart", "gameEnd")
 

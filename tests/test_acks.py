@@ -13,9 +13,9 @@ import pytest
 
 from server.store import BotRecord, CurrentGame, MemoryStore
 from tests.client import Client, dev_token
-from tests.cluster.harness import eventually
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
 from tests.tokens import BOT_SCOPE, JwksServer
+from tests.waiting import eventually
 
 NEW_VERBS = {"ack", "heartbeat"}
 

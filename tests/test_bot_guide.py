@@ -33,10 +33,10 @@ from apclient import ClientStopped, FileStorage
 from protocol.errors import CloseCode
 from server.store import BotRecord, CurrentGame, MemoryStore
 from tests.client import Client
-from tests.cluster.harness import eventually
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
 from tests.services import free_port
 from tests.tokens import BOT_SCOPE, JwksServer
+from tests.waiting import eventually
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "bots.md"
 BOT = "guide-bot"

@@ -30,8 +30,9 @@ from server.store import BotRecord, CurrentGame, MemoryStore
 from server.store.base import StoreUnavailable
 from tests.client import Client, dev_bot_token
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
-from tests.queues import depth, drain_bodies, eventually, new_queue, send, send_many
+from tests.queues import depth, drain_bodies, new_queue, send, send_many
 from tests.services import RedisServer
+from tests.waiting import eventually_in_thread
 
 BOT = "bot-q-1"
 OTHER_BOT = "bot-q-2"
@@ -121,7 +122,9 @@ async def test_todays_move_and_challenge_reach_a_connected_bot_with_positions(
     offer = await bot.next_message(lambda m: m["verb"] == "challenge", within=15)
     assert offer["payload"] == {"challengeId": "c-9", "meta": "chess", "standing": True}
     assert (offer["stream"], offer["offset"]) == (f"user:{BOT}", 2)
-    await eventually(lambda: depth(bridged.endpoint, bridged.queue) == 0, 10, "a drained queue")
+    await eventually_in_thread(
+        lambda: depth(bridged.endpoint, bridged.queue) == 0, 10, "a drained queue"
+    )
     # Over the socket only: nothing went on to the webhook.
     assert await asyncio.to_thread(drain_bodies, bridged.endpoint, bridged.forward) == []
     metrics = bridged.server.node.metrics
@@ -139,7 +142,9 @@ async def test_a_message_for_an_offline_bot_is_forwarded_unchanged_and_still_pen
     bridged.store.put_game(CurrentGame("g-off", "chess", ("human-1", BOT), "1"))
     other = await bridged.bot(OTHER_BOT)  # another bot online changes nothing for this one
     await asyncio.to_thread(send, bridged.endpoint, bridged.queue, body)
-    await eventually(lambda: depth(bridged.endpoint, bridged.forward) == 1, 15, "a forward")
+    await eventually_in_thread(
+        lambda: depth(bridged.endpoint, bridged.forward) == 1, 15, "a forward"
+    )
     assert await asyncio.to_thread(drain_bodies, bridged.endpoint, bridged.forward) == [body]
     await other.barrier()
     assert other.of_verb("yourTurn") == []
@@ -163,8 +168,12 @@ async def test_poison_is_logged_counted_deleted_and_never_forwarded(
     ]
     good = json.dumps(move(BOT, "g-good"))
     await asyncio.to_thread(send_many, bridged.endpoint, bridged.queue, [*poison, good])
-    await eventually(lambda: depth(bridged.endpoint, bridged.forward) == 1, 15, "the good one")
-    await eventually(lambda: depth(bridged.endpoint, bridged.queue) == 0, 10, "a drained queue")
+    await eventually_in_thread(
+        lambda: depth(bridged.endpoint, bridged.forward) == 1, 15, "the good one"
+    )
+    await eventually_in_thread(
+        lambda: depth(bridged.endpoint, bridged.queue) == 0, 10, "a drained queue"
+    )
     assert await asyncio.to_thread(drain_bodies, bridged.endpoint, bridged.forward) == [good]
     # Each poison message is logged by its MessageId. The bridge receives with a 2 s
     # visibility timeout here: on a loaded machine one may be received again before
@@ -355,7 +364,7 @@ async def test_pending_turns_on_dynamodb_in_the_production_shapes(dynamodb_endpo
         bodies = [move(BOT, g) for g in ("g-turn", "g-simul", "g-wait", "g-over")]
         bodies.append(move(BOT, "g-turn"))  # an admin ping_bot re-send: no harm
         await asyncio.to_thread(send_many, dynamodb_endpoint, queue, bodies)
-        await eventually(lambda: depth(dynamodb_endpoint, forward) == 5, 20, "5 forwards")
+        await eventually_in_thread(lambda: depth(dynamodb_endpoint, forward) == 5, 20, "5 forwards")
         # The candidates, as the bridge wrote them: one per game however often named.
         items = raw.query(
             TableName=table,
@@ -404,7 +413,9 @@ async def test_a_bot_that_closed_its_socket_is_forwarded_to_again(bridged: Bridg
         await asyncio.sleep(0.05)
     body = json.dumps(move(BOT, "g-after"))
     await asyncio.to_thread(send, bridged.endpoint, bridged.queue, body)
-    await eventually(lambda: depth(bridged.endpoint, bridged.forward) == 1, 15, "a forward")
+    await eventually_in_thread(
+        lambda: depth(bridged.endpoint, bridged.forward) == 1, 15, "a forward"
+    )
     assert await asyncio.to_thread(drain_bodies, bridged.endpoint, bridged.forward) == [body]
 
 
@@ -427,7 +438,9 @@ async def test_challenges_by_webhook_go_to_the_webhook_even_for_a_connected_bot(
         await asyncio.to_thread(send, dynamodb_endpoint, queue, move(BOT, "g-web"))
         turn = await bot.next_message(lambda m: m["verb"] == "yourTurn", within=15)
         assert turn["payload"] == {"meta": "chess", "id": "g-web"}
-        await eventually(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "a drained queue")
+        await eventually_in_thread(
+            lambda: depth(dynamodb_endpoint, queue) == 0, 10, "a drained queue"
+        )
         assert await asyncio.to_thread(drain_bodies, dynamodb_endpoint, forward) == [offer]
         await bot.barrier()
         assert bot.of_verb("challenge") == []

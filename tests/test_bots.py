@@ -15,9 +15,9 @@ import pytest
 from server.store import BotRecord, CurrentGame, MemoryStore, StoreUnavailable
 from server.store.dynamodb import DynamoStore
 from tests.client import Client
-from tests.cluster.harness import eventually
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, run_server
 from tests.tokens import BOT_SCOPE, HUMAN_CLIENT_ID, JwksServer, Pool
+from tests.waiting import eventually
 
 BOT = "bot-client-1"
 

@@ -13,9 +13,9 @@ from protocol.errors import MAX_FRAME_BYTES
 from server.store.memory import MemoryStore
 from tests.chat_helpers import chat_message, post, replies, seed_game
 from tests.client import Client
-from tests.cluster.harness import eventually
 from tests.conftest import RunningServer
 from tests.rows import Rows
+from tests.waiting import eventually
 
 GAME = ("chess", "g1")
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ from server.store.dynamodb import DynamoStore
 from tests.client import Client
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
 from tests.services import DynamoFaultProxy, free_port
+from tests.waiting import eventually
 
 REGION = "us-east-1"
 
@@ -40,14 +41,6 @@ def connection_items(raw: Any, table: str) -> list[dict[str, Any]]:
     )
     items: list[dict[str, Any]] = response["Items"]
     return items
-
-
-async def eventually(check: Callable[[], bool], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 async def test_rows_match_the_schema_through_the_whole_lifecycle(
@@ -97,7 +90,7 @@ async def test_rows_match_the_schema_through_the_whole_lifecycle(
     assert alice.presence.seq <= int(meta["seq"]["N"]) <= alice.presence.seq + 1
 
     await alice.close()
-    await eventually(lambda: connection_items(raw, table) == [])
+    await eventually(lambda: connection_items(raw, table) == [], 30, "the rows deleted")
 
 
 async def test_a_legacy_invisible_row_has_no_watch_attributes(

@@ -25,6 +25,7 @@ from protocol.parse import parse_broadcast
 from server.ingress.connection import READ_SLICE_BYTES
 from tests.client import DEV_SECRET, dev_token
 from tests.conftest import PUBLISH_SECRET, RunningServer
+from tests.waiting import eventually
 
 # --- 1. POST /publish reads the whole body ------------------------------------
 
@@ -130,7 +131,7 @@ async def test_a_ping_flood_that_never_reads_is_closed_with_bounded_memory(
         await asyncio.sleep(0.02)
         if session.close_task is None:
             peak = max(peak, session.ws.transport.get_write_buffer_size())
-    await wait_until(lambda: session not in server.node.sessions, within=10)
+    await eventually(lambda: session not in server.node.sessions, 30, "the session gone")
     assert peak <= 64 * 1024 + 70_000  # the limit plus at most one read's worth of pongs
     ws.transport.abort()
 
@@ -141,13 +142,6 @@ async def test_a_ping_flood_spends_the_credits_then_closes_1008(server: RunningS
     error = await client.next_message(lambda m: m["verb"] == "error")
     assert error["payload"]["code"] == "rate_limited"
     assert (await client.closed())[0] == 1008
-
-
-async def wait_until(predicate: Any, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 # --- 3. one client cannot stall the others -------------------------------------
@@ -228,7 +222,9 @@ async def test_connections_per_user_are_capped_with_4509(server: RunningServer) 
     assert (await extra.closed())[0] == 4509
     assert len(server.node.index.by_user["alice"]) == 3
     await first[0].close()
-    await wait_until(lambda: len(server.node.index.by_user["alice"]) == 2)
+    await eventually(
+        lambda: len(server.node.index.by_user["alice"]) == 2, 30, "both of alice's sessions"
+    )
     await server.subscribed("alice")  # a slot is free again
     other = await server.subscribed("bob")  # other users are not affected
     assert other.presence.snapshots == 1
@@ -260,7 +256,7 @@ async def test_watched_games_per_user_are_capped_over_all_sockets(server: Runnin
 async def test_over_the_node_cap_the_upgrade_gets_503(server: RunningServer) -> None:
     await server.client()
     await server.client()
-    await wait_until(lambda: len(server.node.sessions) == 2)
+    await eventually(lambda: len(server.node.sessions) == 2, 30, "two sessions")
     with pytest.raises(Exception) as refused:
         await connect(server.ws_url)
     assert "503" in str(refused.value)
@@ -405,14 +401,14 @@ async def test_a_non_reading_client_is_dropped_within_the_close_timeout(
     ws = await non_reading_client(server.ws_url)
     await ws.send(json.dumps({"action": "subscribe", "token": dev_token("slow"), "games": []}))
     await ws.send(json.dumps({"action": "watchGames", "games": [{"meta": "chess", "id": "g1"}]}))
-    await wait_until(lambda: "chess#g1" in server.node.index.by_game)
+    await eventually(lambda: "chess#g1" in server.node.index.by_game, 30, "a watcher of g1")
     session = await publish_until_closed(server)
     # what it held when it was closed: user space plus the kernel, about the limit
     assert session.unsent_bytes(0) <= 256 * 1024 + 64 * 1024
     # The client never reads, so its closing handshake never completes: the
     # session goes only when the close timeout aborts it (pings are a minute
     # apart, far past this deadline).
-    await wait_until(lambda: session not in server.node.sessions, within=30)
+    await eventually(lambda: session not in server.node.sessions, 30, "the session gone")
     ws.transport.abort()
 
 
@@ -421,7 +417,7 @@ async def test_a_slow_client_that_reads_again_sees_4008(server: RunningServer) -
     ws = await non_reading_client(server.ws_url)
     await ws.send(json.dumps({"action": "subscribe", "token": dev_token("slow"), "games": []}))
     await ws.send(json.dumps({"action": "watchGames", "games": [{"meta": "chess", "id": "g1"}]}))
-    await wait_until(lambda: "chess#g1" in server.node.index.by_game)
+    await eventually(lambda: "chess#g1" in server.node.index.by_game, 30, "a watcher of g1")
     await publish_until_closed(server)
     ws.transport.resume_reading()
     with pytest.raises(ConnectionClosedError):
@@ -477,7 +473,7 @@ async def test_closed_sessions_leave_no_reference_cycles(server: RunningServer) 
                 client.ws.transport.abort()  # gone without one, as most browsers go
         server.clients.clear()
         del clients
-        await wait_until(lambda: not server.node.sessions)
+        await eventually(lambda: not server.node.sessions, 30, "no session left")
         await asyncio.sleep(0.2)
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()

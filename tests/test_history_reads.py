@@ -17,7 +17,7 @@ from protocol.streams import HistoryRead
 from server.bus import MemoryBus
 from server.bus.streams import HistoryAsk, MemoryStreams
 from server.routing.history_reads import HistoryReads
-from tests.cluster.harness import eventually
+from tests.waiting import eventually
 
 
 class CountingStreams(MemoryStreams):

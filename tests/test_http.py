@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.conftest import PUBLISH_SECRET, RunningServer
-from tests.test_hardening import wait_until
+from tests.waiting import eventually
 
 
 async def test_healthz_names_the_node(server: RunningServer) -> None:
@@ -273,7 +273,7 @@ async def test_a_client_that_pipelines_without_reading_is_not_read_either(
             writer.write(f"GET {path} HTTP/1.1\r\nHost: n\r\n\r\n".encode())
         await asyncio.sleep(0.5)
         (connection,) = server.listener.connections
-        await wait_until(lambda: connection.write_blocked)
+        await eventually(lambda: connection.write_blocked, 30, "the connection blocked on writing")
         assert connection.reading_paused and connection.transport is not None
         high = connection.transport.get_write_buffer_limits()[1]
         biggest = 64 * 1024  # a /metrics answer is a few KiB

@@ -23,8 +23,8 @@ from server.presence.node_presence import NodePresence
 from server.runtime.metrics import Registry
 from server.session import Session
 from server.store.memory import MemoryStore
-from tests.cluster.harness import eventually
 from tests.conftest import TEST_SETTINGS
+from tests.waiting import eventually
 
 CHECK = 0.02
 WITHIN = 10.0

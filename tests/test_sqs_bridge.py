@@ -20,8 +20,9 @@ import pytest
 from server.ingress import queue_core
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
-from tests.queues import depth, eventually, new_queue, send, sqs_client
+from tests.queues import depth, new_queue, send, sqs_client
 from tests.services import DynamoFaultProxy, RedisServer
+from tests.waiting import eventually_in_thread
 
 
 def new_live_queue(endpoint: str) -> str:
@@ -76,7 +77,7 @@ async def test_todays_exact_body_reaches_the_watchers_and_exclude_holds(
     pie = {"verb": "game", "payload": {"meta": "chess", "id": "g1"}, "exclude": [""]}
     await asyncio.to_thread(send, dynamodb_endpoint, queue, pie)
     await mover.next_message(lambda m: m.get("verb") == "game", within=10)
-    await eventually(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
+    await eventually_in_thread(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
     for client in (mover, opponent, elsewhere, legacy):
         await client.barrier()
     assert len(game_events(opponent)) == 2
@@ -101,7 +102,7 @@ async def test_a_poison_message_is_deleted_and_counted_and_the_rest_flows(
         send, dynamodb_endpoint, queue, {"verb": "game", "payload": {"meta": "chess", "id": "g1"}}
     )
     await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
-    await eventually(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
+    await eventually_in_thread(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "an empty queue")
     # Each poison message at least once: one whose visibility ran out before its
     # delete (a loaded machine) comes again and is counted again, then deleted.
     assert metrics.value("ap_sqs_poison_messages_total") - before >= 3
@@ -129,7 +130,7 @@ async def test_a_message_delivered_again_reaches_each_client_once(
             proxy.fail_operation("DeleteMessageBatch", 3)  # every attempt of the first delete
             body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 1}}
             await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
-            await eventually(
+            await eventually_in_thread(
                 lambda: depth(dynamodb_endpoint, queue) == 0, 15, "the redelivery deleted"
             )
             assert running.node.metrics.value("ap_sqs_duplicates_total") - duplicates == 1
@@ -168,8 +169,8 @@ async def test_sqs_down_then_back_loses_nothing(dynamodb_endpoint: str, queue: s
             assert game_events(watcher) == []
             assert running.node.ready  # clients stay connected meanwhile
             proxy.recover()
-            await eventually(lambda: len(game_events(watcher)) >= 20, 20, "all 20 events")
-            await eventually(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "empty")
+            await eventually_in_thread(lambda: len(game_events(watcher)) >= 20, 20, "all 20 events")
+            await eventually_in_thread(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "empty")
             await watcher.barrier()
             assert sorted(e["n"] for e in game_events(watcher)) == list(range(20))
     finally:
@@ -290,7 +291,7 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
         published = running.node.metrics.value("ap_sqs_messages_published_total")
         await bridge.start()
         try:
-            await eventually(lambda: depth(dynamodb_endpoint, queue) == 0, 15, "empty")
+            await eventually_in_thread(lambda: depth(dynamodb_endpoint, queue) == 0, 15, "empty")
         finally:
             await bridge.stop()
         # The second consumer did publish both again...
@@ -329,7 +330,9 @@ async def test_a_slow_batch_is_logged_with_where_its_time_went(
             {"verb": "game", "payload": {"meta": "chess", "id": "g1"}},
         )
         await watcher.next_message(lambda m: m.get("verb") == "game", within=10)
-        await eventually(lambda: "a batch of 1 took" in caplog.text, 10, "the slow batch's line")
+        await eventually_in_thread(
+            lambda: "a batch of 1 took" in caplog.text, 10, "the slow batch's line"
+        )
     line = next(r.getMessage() for r in caplog.records if "a batch of 1 took" in r.getMessage())
     for step in ("claim", "prepare", "deliver", "mark", "delete", "its oldest message was queued"):
         assert step in line, line

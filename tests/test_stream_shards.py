@@ -20,7 +20,8 @@ from server.coordination.lease import MemoryLease
 from server.ingress.table_stream import TableStreamReader
 from server.store.dynamodb import DynamoStore
 from tests.services import DynamoFaultProxy
-from tests.test_table_stream import Recorder, put_notification, streamed, until
+from tests.test_table_stream import WITHIN_S, Recorder, put_notification, streamed
+from tests.waiting import eventually
 
 __all__ = ["streamed"]  # the fixture
 
@@ -118,12 +119,14 @@ async def test_a_closed_shard_is_read_to_its_end_then_its_child(
     )
     await reader.start()
     try:
-        await until(lambda: bool(reader.positioned), 20, "the reader at the latest record")
+        await eventually(
+            lambda: bool(reader.positioned), WITHIN_S, "the reader at the latest record"
+        )
         put_notification(raw, table, "dora", 1)
-        await until(lambda: recorder.numbers() == [1], 20, "the parent's record")
+        await eventually(lambda: recorder.numbers() == [1], WITHIN_S, "the parent's record")
         proxy.child_records = [child_record(2), child_record(3)]
         proxy.closed = True
-        await until(lambda: len(recorder.numbers()) >= 3, 30, "the child's records")
+        await eventually(lambda: len(recorder.numbers()) >= 3, WITHIN_S, "the child's records")
         # The checkpoint is written after the records are handled: wait for it too.
         arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
         deadline = asyncio.get_running_loop().time() + 30

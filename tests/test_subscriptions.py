@@ -11,9 +11,9 @@ import pytest
 from server.bus import MemoryBus
 from server.bus.redis_bus import RedisBus
 from server.routing.subscribe_batching import SubscribeBatcher
-from tests.cluster.harness import eventually
 from tests.contract.test_bus_contract import Receiver
 from tests.services import redis_url_for_tests
+from tests.waiting import eventually
 
 
 class CountingBus(MemoryBus):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -29,6 +29,7 @@ from server.store.base import ShardCheckpoint
 from server.store.dynamodb import DynamoStore
 from tests.conftest import TEST_REGION, new_table
 from tests.services import redis_url_for_tests
+from tests.waiting import eventually
 
 WITHIN_S = 120.0
 """How long a reader may take to get somewhere over moto. A run beside busy loops and
@@ -158,14 +159,6 @@ def reader_for(
     )
 
 
-async def until(check: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within:g}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def checkpoints_of(
     store: DynamoStore, arn: str, within: float, at: Recorder | None = None
 ) -> dict[str, ShardCheckpoint]:
@@ -191,10 +184,12 @@ async def test_a_first_start_begins_at_the_latest_record(
     reader = reader_for(dynamodb_endpoint, table, store, recorder)
     await reader.start()
     try:
-        await until(lambda: bool(reader.positioned), WITHIN_S, "the reader at the latest record")
+        await eventually(
+            lambda: bool(reader.positioned), WITHIN_S, "the reader at the latest record"
+        )
         put_notification(raw, table, "alice", 1)
         raw.put_item(TableName=table, Item={"pk": {"S": "GAME"}, "sk": {"S": "g1"}})
-        await until(lambda: len(recorder.records) >= 2, WITHIN_S, "two records")
+        await eventually(lambda: len(recorder.records) >= 2, WITHIN_S, "two records")
         # Delivered first, checkpointed after: wait for the checkpoint too.
         arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
         checkpoints = await checkpoints_of(store, arn, WITHIN_S)
@@ -211,10 +206,10 @@ async def test_a_restart_resumes_at_the_checkpoint(
     first = Recorder()
     reader = reader_for(dynamodb_endpoint, table, store, first)
     await reader.start()
-    await until(lambda: bool(reader.positioned), WITHIN_S, "the reader at the latest record")
+    await eventually(lambda: bool(reader.positioned), WITHIN_S, "the reader at the latest record")
     for n in range(3):
         put_notification(raw, table, "bob", n)
-    await until(lambda: len(first.numbers()) == 3, WITHIN_S, "three rows")
+    await eventually(lambda: len(first.numbers()) == 3, WITHIN_S, "three rows")
     # Delivered first, checkpointed after: stopped before the checkpoint, the next
     # reader would read them again (at least once, by design).
     arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
@@ -226,9 +221,9 @@ async def test_a_restart_resumes_at_the_checkpoint(
     again = reader_for(dynamodb_endpoint, table, store, second)
     await again.start()
     try:
-        await until(lambda: len(second.numbers()) >= 3, WITHIN_S, "the rows written meanwhile")
+        await eventually(lambda: len(second.numbers()) >= 3, WITHIN_S, "the rows written meanwhile")
         put_notification(raw, table, "bob", 6)
-        await until(lambda: len(second.numbers()) >= 4, WITHIN_S, "a live row")
+        await eventually(lambda: len(second.numbers()) >= 4, WITHIN_S, "a live row")
         await asyncio.sleep(0.3)
     finally:
         await again.stop()
@@ -251,13 +246,13 @@ async def test_one_reader_at_a_time_and_a_handover_skips_nothing(
         for reader in readers:
             await reader.start()
         try:
-            await until(lambda: any(r.positioned for r in readers), WITHIN_S, "a reader")
+            await eventually(lambda: any(r.positioned for r in readers), WITHIN_S, "a reader")
             await asyncio.sleep(1.5)
             assert sum(r.reading for r in readers) == 1
             active = 0 if readers[0].reading else 1
             for n in range(3):
                 put_notification(raw, table, "carol", n)
-            await until(lambda: len(recorders[active].numbers()) == 3, WITHIN_S, "three rows")
+            await eventually(lambda: len(recorders[active].numbers()) == 3, WITHIN_S, "three rows")
             arn = raw.describe_table(TableName=table)["Table"]["LatestStreamArn"]
             await checkpoints_of(store, arn, WITHIN_S, at=recorders[active])
             # The active reader dies without a goodbye: its lease lapses. (Killed between
@@ -270,7 +265,7 @@ async def test_one_reader_at_a_time_and_a_handover_skips_nothing(
             for n in range(3, 6):
                 put_notification(raw, table, "carol", n)
             other = 1 - active
-            await until(lambda: len(recorders[other].numbers()) >= 3, WITHIN_S, "the handover")
+            await eventually(lambda: len(recorders[other].numbers()) >= 3, WITHIN_S, "the handover")
         finally:
             for reader in readers:
                 await reader.stop()

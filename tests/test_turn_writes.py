@@ -14,7 +14,7 @@ from protocol.streams import game_stream
 from server.session import HELD_FRAME_BYTES, HELD_FRAMES, Session, send_frame, send_frames
 from tests.client import Client
 from tests.conftest import RunningServer
-from tests.queues import eventually
+from tests.waiting import eventually
 
 LIMIT = 1024 * 1024
 

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from server.store.base import ConnectionRecord
 from server.store.dynamodb import DynamoStore
 from tests.client import DEV_SECRET, Client
 from tests.services import HOST, RedisServer, free_port, listening_ports
+from tests.waiting import eventually
 
 PUBLISH_SECRET = "cluster-publish-secret"
 REGION = "us-east-1"
@@ -65,14 +65,6 @@ SLACK = 30.0
 two-core machine that five test runs share, never the thing measured. A test that
 checks a promised time checks it by cause (the path that would take longer is
 made far longer than the deadline), not by a stopwatch."""
-
-
-async def eventually(check: Callable[[], bool], within: float, what: str = "condition") -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within:g}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @dataclass

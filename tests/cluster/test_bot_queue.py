@@ -19,9 +19,10 @@ import pytest
 
 from tests.client import Client, dev_bot_token
 from tests.cluster.conftest import nodes_on
-from tests.cluster.harness import REGION, Cluster, eventually
+from tests.cluster.harness import REGION, Cluster
 from tests.queues import depth, drain_bodies, new_queue, send_many
 from tests.services import RedisServer
+from tests.waiting import eventually
 
 NODES = ("b1", "b2")
 STAYS, MOVES, AWAY = "bot-stays", "bot-moves", "bot-away"

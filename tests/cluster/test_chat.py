@@ -14,8 +14,9 @@ import pytest
 from server.store.dynamodb import create_table
 from tests.chat_helpers import chat_message, post, put_game_row, replies
 from tests.client import Client
-from tests.cluster.harness import REGION, SLACK, Cluster, eventually, new_workdir, remove_workdir
+from tests.cluster.harness import REGION, SLACK, Cluster, new_workdir, remove_workdir
 from tests.services import RedisServer
+from tests.waiting import eventually
 
 GAME = ("chess", "g1")
 

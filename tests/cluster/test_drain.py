@@ -23,7 +23,8 @@ from websockets.exceptions import InvalidStatus
 
 from server.session import DRAIN_BATCH_SECONDS
 from tests.client import Client
-from tests.cluster.harness import DEBOUNCE_MS, SLACK, Cluster, eventually
+from tests.cluster.harness import DEBOUNCE_MS, SLACK, Cluster
+from tests.waiting import eventually
 
 ROLLED, STAYING = "n1", "n2"
 MOVERS = 600  # clients on the node that is rolled

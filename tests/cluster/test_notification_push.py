@@ -14,8 +14,9 @@ import pytest
 from server.store.dynamodb import create_table
 from tests.client import Client
 from tests.cluster.conftest import nodes_on, redis_for
-from tests.cluster.harness import REGION, Cluster, eventually
+from tests.cluster.harness import REGION, Cluster
 from tests.test_table_stream import enable_stream, put_notification
+from tests.waiting import eventually
 
 NODES = ("p1", "p2")
 LEADER_KEY = "ap:{notifications}:leader"

@@ -7,7 +7,8 @@ from typing import Any
 
 from tests.client import Client
 from tests.cluster.conftest import BOTH_REDIS
-from tests.cluster.harness import DEBOUNCE_MS, SLACK, Cluster, eventually, wait_visible
+from tests.cluster.harness import DEBOUNCE_MS, SLACK, Cluster, wait_visible
+from tests.waiting import eventually
 
 pytestmark = BOTH_REDIS
 

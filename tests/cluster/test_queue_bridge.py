@@ -20,8 +20,9 @@ from redis.asyncio.cluster import RedisCluster as ClusterClient
 
 from tests.client import Client
 from tests.cluster.conftest import nodes_on, redis_for
-from tests.cluster.harness import REGION, Cluster, eventually
+from tests.cluster.harness import REGION, Cluster
 from tests.services import RedisServer
+from tests.waiting import eventually
 
 NODES = ("b1", "b2")
 

@@ -27,7 +27,8 @@ from server.redis.client import make_cluster_client
 from server.redis.keys import channel_for
 from tests.client import Client
 from tests.cluster.conftest import nodes_on
-from tests.cluster.harness import SLACK, Cluster, eventually, wait_visible
+from tests.cluster.harness import SLACK, Cluster, wait_visible
+from tests.waiting import eventually
 
 FAILOVER_BOUND = 5.0
 """Kill -9 of a primary to delivery resumed, with a 1 s cluster node timeout."""

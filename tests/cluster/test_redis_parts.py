@@ -25,8 +25,8 @@ from server.presence.redis import RedisPresenceBackend
 from server.redis.keys import PRESENCE_NAMESPACE, channel_for
 from server.runtime.metrics import Registry
 from server.store.memory import MemoryStore
-from tests.cluster.harness import eventually
 from tests.services import RedisServer, free_port
+from tests.waiting import eventually
 
 
 @pytest.fixture

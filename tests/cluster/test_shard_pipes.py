@@ -22,7 +22,7 @@ from server.redis.client import make_cluster_client
 from server.redis.keys import channel_for
 from server.redis.shard_pipes import ShardPipes
 from server.runtime.metrics import Registry
-from tests.cluster.harness import eventually
+from tests.waiting import eventually
 
 
 @pytest.fixture

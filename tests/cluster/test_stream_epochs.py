@@ -18,8 +18,9 @@ import signal
 from typing import Any
 
 from tests.client import Client, dev_token
-from tests.cluster.harness import SLACK, Cluster, eventually
+from tests.cluster.harness import SLACK, Cluster
 from tests.services import RedisServer
+from tests.waiting import eventually
 
 STREAM = "game:chess#e1"
 GAMES = [("chess", "e1")]

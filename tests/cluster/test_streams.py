@@ -12,8 +12,9 @@ import redis.asyncio as aioredis
 
 from tests.client import Client
 from tests.cluster.conftest import BOTH_REDIS
-from tests.cluster.harness import SLACK, Cluster, eventually
+from tests.cluster.harness import SLACK, Cluster
 from tests.services import RedisServer
+from tests.waiting import eventually
 
 CHESS = "game:chess#g1"
 GAMES = [("chess", "g1")]

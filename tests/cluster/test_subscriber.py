@@ -16,8 +16,8 @@ from redis.exceptions import ResponseError
 
 from server.redis.client import subscriber_connection
 from server.redis.subscriber import Push, Subscriber
-from tests.cluster.harness import eventually
 from tests.services import RedisServer, start_redis_server
+from tests.waiting import eventually
 
 
 class Pushes:
