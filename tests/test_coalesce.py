@@ -1,4 +1,8 @@
-"""Script calls of concurrent callers, one pipeline per round trip, on a real Redis."""
+"""Script calls of concurrent callers, pipelined on one connection, on a real Redis.
+
+Faults come from :class:`~loadtest.harness.faults.TcpFaultProxy` in front of
+the worker's ``redis-server``: replies held back, connections cut after a
+command reached Redis, and Redis restarted."""
 
 from __future__ import annotations
 
@@ -7,12 +11,18 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import redis
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from loadtest.harness.faults import TcpFaultProxy
 from server.bus.redis_streams import RedisStreams
 from server.redis.coalesce import ScriptCoalescer
-from tests.services import redis_url_for_tests
+from tests.services import RedisServer, redis_url_for_tests
+from tests.waiting import eventually_in_thread
+
+HANG_GUARD_S = 30.0
 
 INCR_BY = """
 local value = redis.call('INCRBY', KEYS[1], ARGV[1])
@@ -76,6 +86,108 @@ async def test_calls_run_again_after_the_script_cache_was_flushed(
     # NOSCRIPT: none of these ran, so each runs once after SCRIPT LOAD.
     assert await coalescer.run([([key, log], [1]), ([key, log], [1])]) == [6, 7]
     await client.script_flush()
-    assert await coalescer.run([([key, log], [3])]) == [10]  # alone: a plain EVALSHA
+    assert await coalescer.run([([key, log], [3])]) == [10]
     assert await client.lrange(log, 0, -1) == [b"5", b"1", b"1", b"3"]
     await coalescer.close()
+
+
+@pytest.fixture
+async def proxy(fresh_redis: RedisServer) -> AsyncIterator[TcpFaultProxy]:
+    made = TcpFaultProxy(fresh_redis.port)
+    await made.start()
+    try:
+        yield made
+    finally:
+        await made.stop()
+
+
+@pytest.fixture
+async def through_proxy(proxy: TcpFaultProxy) -> AsyncIterator[ScriptCoalescer]:
+    client = aioredis.Redis.from_url(proxy.url)
+    coalescer = ScriptCoalescer(client, INCR_BY)
+    try:
+        yield coalescer
+    finally:
+        proxy.heal()
+        await coalescer.close()
+        await client.aclose()
+
+
+def logged(redis_server: RedisServer, log: str) -> list[bytes]:
+    """The script's log, read past the proxy."""
+    with redis.Redis.from_url(redis_server.url) as direct:
+        entries: list[bytes] = direct.lrange(log, 0, -1)
+        return entries
+
+
+async def test_a_call_goes_out_while_earlier_replies_are_outstanding(
+    through_proxy: ScriptCoalescer, proxy: TcpFaultProxy, fresh_redis: RedisServer
+) -> None:
+    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+    assert await through_proxy.run([([key, log], [1])]) == [1]
+    proxy.hold_replies()
+    first = asyncio.create_task(through_proxy.run([([key, log], [2])]))
+    await eventually_in_thread(
+        lambda: logged(fresh_redis, log) == [b"1", b"2"], HANG_GUARD_S, "the first call to run"
+    )
+    second = asyncio.create_task(through_proxy.run([([key, log], [4])]))
+    # A coalescer that waits for the first reply before it sends more never gets here.
+    await eventually_in_thread(
+        lambda: logged(fresh_redis, log) == [b"1", b"2", b"4"],
+        HANG_GUARD_S,
+        "the second call to run before the first one's reply came back",
+    )
+    assert not first.done() and not second.done()
+    proxy.heal()
+    assert await first == [3]
+    assert await second == [7]
+
+
+async def test_after_a_redis_restart_the_script_is_loaded_before_the_first_call(
+    through_proxy: ScriptCoalescer, proxy: TcpFaultProxy, fresh_redis: RedisServer
+) -> None:
+    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+    assert await through_proxy.run([([key, log], [1])]) == [1]
+    await asyncio.to_thread(fresh_redis.restart)  # no persistence: the data and scripts are gone
+    assert await through_proxy.run([([key, log], [2]), ([key, log], [3])]) == [2, 5]
+    assert logged(fresh_redis, log) == [b"2", b"3"]
+    with redis.Redis.from_url(fresh_redis.url) as direct:
+        errors = direct.info("errorstats")
+    assert "errorstat_NOSCRIPT" not in errors  # never asked for a script it lacked
+
+
+async def test_a_call_cut_off_is_sent_once_more_then_fails_its_caller(
+    through_proxy: ScriptCoalescer, proxy: TcpFaultProxy, fresh_redis: RedisServer
+) -> None:
+    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+    assert await through_proxy.run([([key, log], [1])]) == [1]
+    proxy.cut_after(b"EVALSHA", count=1)
+    # Cut once: resent on a new connection. (This script is not idempotent, as
+    # an append is: the log shows each time it reached Redis.)
+    assert await through_proxy.run([([key, log], [10])]) == [21]
+    assert logged(fresh_redis, log) == [b"1", b"10", b"10"]
+    proxy.cut_after(b"EVALSHA", count=2)
+    with pytest.raises(RedisConnectionError):
+        await through_proxy.run([([key, log], [100])])
+    assert proxy.cuts_after_write == 3
+    assert logged(fresh_redis, log) == [b"1", b"10", b"10", b"100", b"100"]
+    assert await through_proxy.run([([key, log], [1000])]) == [1221]
+
+
+async def test_close_lets_the_calls_under_way_finish(
+    through_proxy: ScriptCoalescer, proxy: TcpFaultProxy, fresh_redis: RedisServer
+) -> None:
+    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+    assert await through_proxy.run([([key, log], [1])]) == [1]
+    proxy.hold_replies()
+    call = asyncio.create_task(through_proxy.run([([key, log], [2])]))
+    await eventually_in_thread(
+        lambda: len(logged(fresh_redis, log)) == 2, HANG_GUARD_S, "the call to run"
+    )
+    closing = asyncio.create_task(through_proxy.close())
+    await asyncio.wait([closing], timeout=0.2)
+    assert not closing.done()
+    proxy.heal()
+    assert await call == [3]
+    await closing
+    assert logged(fresh_redis, log) == [b"1", b"2"]  # answered on its first connection

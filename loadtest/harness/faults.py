@@ -108,6 +108,8 @@ class _Link:
                 if wait > 0:
                     await asyncio.sleep(wait)
                 await proxy._passable.wait()
+                if not upstream:
+                    await proxy._replies_passable.wait()
                 queue.popleft()
                 if not upstream and self.closed:
                     return
@@ -173,6 +175,8 @@ class TcpFaultProxy:
         self._cut_patterns: list[bytes] = []
         self._passable = asyncio.Event()
         self._passable.set()
+        self._replies_passable = asyncio.Event()
+        self._replies_passable.set()
         self._links: set[_Link] = set()
         self._server: asyncio.Server | None = None
         self.requests: list[bytearray] | None = None
@@ -197,6 +201,7 @@ class TcpFaultProxy:
 
     async def stop(self) -> None:
         self._passable.set()
+        self._replies_passable.set()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -211,10 +216,15 @@ class TcpFaultProxy:
     def blackhole(self) -> None:
         self._passable.clear()
 
+    def hold_replies(self) -> None:
+        """Commands still reach the server; its replies wait until :meth:`heal`."""
+        self._replies_passable.clear()
+
     def heal(self) -> None:
-        """End a blackhole and the latency."""
+        """End a blackhole, held replies and the latency."""
         self.latency = 0.0
         self._passable.set()
+        self._replies_passable.set()
 
     def cut(self) -> int:
         """Reset every open connection; how many."""

@@ -25,13 +25,14 @@ and publishes the positioned message on each channel given. Redis runs scripts o
 at a time, so positions are assigned and published in one order for everyone.
 Every append names its event (one without a name is named here, before the
 first attempt), so every resend of the script (redis-py's retry after a lost
-connection, a pipeline sent again, a command resent through a failover)
+connection, a pipelined call sent again, a command resent through a failover)
 carries the same name: the script first looks for the id key, and if it is
 there returns the position stored in it and does nothing else; if not, it
 appends and sets it.
 
-On one Redis the appends of concurrent callers go out together, one pipeline
-per round trip (:mod:`server.redis.coalesce`), still one script run per event.
+On one Redis the appends of one loop turn go out together in one write on one
+pipelined connection, without waiting for earlier writes' replies
+(:mod:`server.redis.coalesce`), still one script run per event.
 
 On a Redis Cluster (:meth:`RedisStreams.on_cluster`) the script runs on the
 shard of the stream's slot and publishes with ``SPUBLISH`` only on the

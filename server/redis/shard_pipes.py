@@ -5,10 +5,9 @@ command costs Redis (slot, routing policy, node lookup, a pooled connection
 taken and given back), and a game event is two commands on a cluster. Here a
 command goes to the primary that owns its slot in the slot map of the bus's
 own ``RedisCluster`` client (the one its per-shard readers follow), over that
-primary's single connection. Every command issued in one event-loop turn goes
-out in one write, and one reader task hands the replies back in order: Redis
-answers a connection's commands in the order it received them, so commands
-to one slot also run in the order they were issued.
+primary's single :class:`~server.redis.pipe.Pipe`: a turn's commands in one
+write, replies in order, so commands to one slot also run in the order they
+were issued.
 
 Errors are handled the way ``RedisCluster`` would, explicitly:
 
@@ -33,7 +32,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -50,24 +48,21 @@ from redis.exceptions import (
     NoScriptError,
     RedisClusterException,
     RedisError,
-    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from server.redis.pipe import STALL_TIMEOUT_S, Pipe
 from server.runtime.backoff import Backoff, Retrying
 from server.runtime.metrics import Registry
-from server.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 FAILOVER_RETRY_S = 0.1
 FAILOVER_BACKOFF = Backoff(first=FAILOVER_RETRY_S, cap=FAILOVER_RETRY_S, jitter=0.0)
 """A failover is polled at a steady pace: the promotion's end is what matters, not load."""
-STALL_TIMEOUT_S = 5.0
-"""A connection with commands outstanding and no reply for this long is dead."""
 
 _TRANSIENT = (
     RedisClusterException,  # no slot map yet, or a slot not covered
@@ -87,117 +82,8 @@ class Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
 
-class _Pipe:
-    """One connection to one primary: batched writes, replies matched in order."""
-
-    def __init__(self, host: str, port: int, client_name: str | None, stall_timeout: float) -> None:
-        self.name = f"{host}:{port}"
-        self.stall_timeout = stall_timeout
-        self.connection = Connection(
-            host=host,
-            port=port,
-            client_name=client_name,
-            socket_connect_timeout=1.0,
-            socket_timeout=None,  # stalls are caught by the watchdog, not by a timer per read
-            retry=Retry(NoBackoff(), 0),
-        )
-        self.dead = False
-        self._out: list[bytes] = []
-        self._waiting: deque[tuple[float, asyncio.Future[Any]]] = deque()  # (queued at, reply)
-        self._wake = asyncio.Event()
-        self._task = asyncio.create_task(self._run(), name=f"pipe-{self.name}")
-
-    def submit(self, *commands: tuple[Any, ...]) -> list[asyncio.Future[Any]]:
-        """Queue ``commands`` back to back; one future per command, in order."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        futures = []
-        for args in commands:
-            future: asyncio.Future[Any] = loop.create_future()
-            if self.dead:
-                future.set_exception(RedisConnectionError(f"connection to {self.name} lost"))
-            else:
-                self._out.extend(self.connection.pack_command(*args))
-                self._waiting.append((now, future))
-            futures.append(future)
-        self._wake.set()
-        return futures
-
-    async def _run(self) -> None:
-        reader: asyncio.Task[None] | None = None
-        # From the start: a frozen server accepts the TCP connection and then
-        # never answers the handshake.
-        watchdog = asyncio.create_task(self._watch(), name=f"pipe-watch-{self.name}")
-        try:
-            await self.connection.connect()  # type: ignore[no-untyped-call]
-            reader = asyncio.create_task(self._read(), name=f"pipe-read-{self.name}")
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                if self._out:
-                    batch, self._out = self._out, []
-                    await self.connection.send_packed_command(batch, check_health=False)
-        except asyncio.CancelledError:
-            self._fail(RedisConnectionError(f"connection to {self.name} closed"))
-            raise
-        except Exception as exc:
-            self._fail(exc)
-        finally:
-            watchdog.cancel()
-            if reader is not None:
-                reader.cancel()
-            with contextlib.suppress(Exception):
-                await self.connection.disconnect(nowait=True)
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                try:
-                    reply: Any = await self.connection.read_response(timeout=math.inf)
-                except ResponseError as exc:
-                    reply = exc
-                _, future = self._waiting.popleft()
-                if future.done():
-                    continue
-                if isinstance(reply, ResponseError):
-                    future.set_exception(reply)
-                else:
-                    future.set_result(reply)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._fail(exc)
-            self._task.cancel()
-
-    async def _watch(self) -> None:
-        """Replies come in order: the oldest command unanswered for the whole
-        timeout means nothing was answered since; the connection is dead."""
-        loop = asyncio.get_running_loop()
-        timeout = self.stall_timeout
-        while True:
-            await asyncio.sleep(timeout / 5)
-            if self._waiting and loop.time() - self._waiting[0][0] > timeout:
-                self._fail(RedisTimeoutError(f"no reply from {self.name} in {timeout:g}s"))
-                self._task.cancel()
-                return
-
-    def _fail(self, exc: BaseException) -> None:
-        if not isinstance(exc, RedisError | OSError):
-            exc = RedisConnectionError(f"connection to {self.name} failed: {exc!r}")
-        self.dead = True
-        self._out.clear()
-        while self._waiting:
-            _, future = self._waiting.popleft()
-            if not future.done():
-                future.set_exception(exc)
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await cancel_and_wait(self._task)
-
-
 class ShardPipes:
-    """Route commands by slot to per-primary :class:`_Pipe` connections."""
+    """Route commands by slot to per-primary :class:`~server.redis.pipe.Pipe` connections."""
 
     def __init__(
         self,
@@ -219,18 +105,26 @@ class ShardPipes:
         self._cluster = cluster  # its slot map; the bus refreshes it on every repair
         self._client_name = client_name
         self._stall_timeout = stall_timeout
-        self._pipes: dict[str, _Pipe] = {}
+        self._pipes: dict[str, Pipe] = {}
         self._ordered: dict[str, _OrderedPublisher] = {}
         self._closing = False
 
-    def _pipe(self, host: str, port: int) -> _Pipe:
+    def _pipe(self, host: str, port: int) -> Pipe:
         name = f"{host}:{port}"
         pipe = self._pipes.get(name)
         if pipe is None or pipe.dead:
-            pipe = self._pipes[name] = _Pipe(host, port, self._client_name, self._stall_timeout)
+            connection = Connection(
+                host=host,
+                port=port,
+                client_name=self._client_name,
+                socket_connect_timeout=1.0,
+                socket_timeout=None,  # stalls are caught by the pipe's watchdog
+                retry=Retry(NoBackoff(), 0),
+            )
+            pipe = self._pipes[name] = Pipe(connection, name, self._stall_timeout)
         return pipe
 
-    def _pipe_for(self, slot: int) -> _Pipe:
+    def _pipe_for(self, slot: int) -> Pipe:
         try:
             node = self._cluster.nodes_manager.get_node_from_slot(slot)
         except KeyError:  # not in the map (yet): retried after a refresh
