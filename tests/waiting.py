@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 async def eventually(
@@ -18,6 +21,22 @@ async def eventually(
 
     async def ask() -> object:
         return check()
+
+    await _poll(ask, within, what, every)
+
+
+async def eventually_read(
+    read: Callable[[], Awaitable[T]],
+    check: Callable[[T], object],
+    within: float,
+    what: str = "condition",
+    *,
+    every: float = 0.2,
+) -> None:
+    """``eventually`` for a value that must be awaited: until ``check(await read())``."""
+
+    async def ask() -> object:
+        return check(await read())
 
     await _poll(ask, within, what, every)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -25,6 +26,7 @@ from tests.cluster.harness import (
     Cluster,
     wait_visible,
 )
+from tests.waiting import eventually_read
 
 NODES = ("n1", "n2", "n3")
 
@@ -43,14 +45,6 @@ def still_open(client: Client) -> bool:
     return client.ws.close_code is None
 
 
-async def eventually_async(check: Any, read: Any, within: float) -> None:
-    """Wait until ``check(await read())`` holds."""
-    deadline = time.monotonic() + within
-    while not check(await read()):
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.2)
-
-
 async def test_kill_9_of_a_node_withdraws_its_users_within_the_bound(cluster: Cluster) -> None:
     leader = await cluster.wait_leader()
     victim, *survivors = sorted(NODES, key=lambda n: n == leader)  # never the leader here
@@ -61,8 +55,11 @@ async def test_kill_9_of_a_node_withdraws_its_users_within_the_bound(cluster: Cl
     expected = {f"obs-{name}" for name in survivors} | {"alice", "bob"}
     for observer in observers:
         await wait_visible(observer, expected, 5 + SLACK, "everyone's join")
-    await eventually_async(
-        lambda rows: {r.endpoint for r in rows} == {*survivors, victim}, cluster.rows, 5 + SLACK
+    await eventually_read(
+        cluster.rows,
+        lambda rows: {r.endpoint for r in rows} == {*survivors, victim},
+        5 + SLACK,
+        "every node's rows",
     )
 
     cluster.kill(victim)
@@ -79,8 +76,11 @@ async def test_kill_9_of_a_node_withdraws_its_users_within_the_bound(cluster: Cl
         assert observer.presence.total_count == len(expected)
         assert_gap_free(observer)
     # The dead node's rows are deleted by the writer.
-    await eventually_async(
-        lambda rows: victim not in {r.endpoint for r in rows}, cluster.rows, 5 + SLACK
+    await eventually_read(
+        cluster.rows,
+        lambda rows: victim not in {r.endpoint for r in rows},
+        5 + SLACK,
+        "the dead node's rows deleted",
     )
 
 
@@ -149,7 +149,9 @@ async def test_redis_restart_mid_test(cluster: Cluster) -> None:
 
     cluster.redis.stop()
     for name in NODES:
-        await eventually_async(lambda status: status == 503, lambda n=name: cluster.readyz(n), 10)
+        await eventually_read(
+            functools.partial(cluster.readyz, name), lambda status: status == 503, 10, "readyz 503"
+        )
     # Local delivery goes on: an event published on n1 reaches n1's watcher.
     body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": "while-down"}}
     assert await cluster.publish("n1", body) == 202
@@ -223,14 +225,20 @@ async def test_a_paused_node_comes_back(cluster: Cluster) -> None:
     os.kill(cluster.nodes[paused].process.pid, signal.SIGSTOP)
     try:
         await wait_visible(observer, {"observer"}, DEATH_BOUND + SLACK, "alice withdrawn")
-        await eventually_async(
-            lambda rows: paused not in {r.endpoint for r in rows}, cluster.rows, 5 + SLACK
+        await eventually_read(
+            cluster.rows,
+            lambda rows: paused not in {r.endpoint for r in rows},
+            5 + SLACK,
+            "the paused node's rows deleted",
         )
     finally:
         os.kill(cluster.nodes[paused].process.pid, signal.SIGCONT)
     # Its clients never left: it registers again, and its rows are written again.
     await wait_visible(observer, {"observer", "alice"}, 5 + SLACK, "alice back")
-    await eventually_async(
-        lambda rows: paused in {r.endpoint for r in rows}, cluster.rows, 5 + SLACK
+    await eventually_read(
+        cluster.rows,
+        lambda rows: paused in {r.endpoint for r in rows},
+        5 + SLACK,
+        "the paused node's rows written again",
     )
     assert_gap_free(observer)
