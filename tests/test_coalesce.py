@@ -1,4 +1,4 @@
-"""Script calls of concurrent callers, pipelined on one connection, on a real Redis.
+"""Script calls of concurrent callers, one write per round trip, on a real Redis.
 
 Faults come from :class:`~loadtest.harness.faults.TcpFaultProxy` in front of
 the worker's ``redis-server``: replies held back, connections cut after a
@@ -120,7 +120,7 @@ def logged(redis_server: RedisServer, log: str) -> list[bytes]:
         return entries
 
 
-async def test_a_call_goes_out_while_earlier_replies_are_outstanding(
+async def test_calls_issued_while_a_write_is_answered_go_together_in_the_next(
     through_proxy: ScriptCoalescer, proxy: TcpFaultProxy, fresh_redis: RedisServer
 ) -> None:
     key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
@@ -130,17 +130,18 @@ async def test_a_call_goes_out_while_earlier_replies_are_outstanding(
     await eventually_in_thread(
         lambda: logged(fresh_redis, log) == [b"1", b"2"], HANG_GUARD_S, "the first call to run"
     )
+    requests = proxy.record_round_trips()
     second = asyncio.create_task(through_proxy.run([([key, log], [4])]))
-    # A coalescer that waits for the first reply before it sends more never gets here.
-    await eventually_in_thread(
-        lambda: logged(fresh_redis, log) == [b"1", b"2", b"4"],
-        HANG_GUARD_S,
-        "the second call to run before the first one's reply came back",
-    )
-    assert not first.done() and not second.done()
+    await asyncio.sleep(0.05)
+    third = asyncio.create_task(through_proxy.run([([key, log], [8])]))
+    await asyncio.sleep(0.2)
+    assert logged(fresh_redis, log) == [b"1", b"2"]  # nothing more while the first is out
+    assert not requests
     proxy.heal()
-    assert await first == [3]
-    assert await second == [7]
+    assert [await first, await second, await third] == [[3], [7], [15]]
+    assert len(requests) == 1  # one write, after the first one's reply
+    assert b"$1\r\n4\r\n" in requests[0] and b"$1\r\n8\r\n" in requests[0]
+    assert logged(fresh_redis, log) == [b"1", b"2", b"4", b"8"]
 
 
 async def test_after_a_redis_restart_the_script_is_loaded_before_the_first_call(

@@ -30,9 +30,9 @@ carries the same name: the script first looks for the id key, and if it is
 there returns the position stored in it and does nothing else; if not, it
 appends and sets it.
 
-On one Redis the appends of one loop turn go out together in one write on one
-pipelined connection, without waiting for earlier writes' replies
-(:mod:`server.redis.coalesce`), still one script run per event.
+On one Redis the appends of concurrent callers go out together, one write per
+round trip on a connection of their own (:mod:`server.redis.coalesce`), still one
+script run per event.
 
 On a Redis Cluster (:meth:`RedisStreams.on_cluster`) the script runs on the
 shard of the stream's slot and publishes with ``SPUBLISH`` only on the

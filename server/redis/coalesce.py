@@ -1,15 +1,16 @@
-"""One Lua script's calls, from many callers at once, pipelined on one connection.
+"""One Lua script's calls, from many callers at once, as one write per round trip.
 
 Concurrent ``POST /publish`` requests each append one event. Sent one by one,
 each is an ``EVALSHA`` of its own: a socket write, a read and a reply parse per
 event, which capped a node well below what Redis takes. A
-:class:`ScriptCoalescer` sends every call issued in one loop turn in one write
-on its own :class:`~server.redis.pipe.Pipe`, without waiting for the previous
-write's replies: a publish waits for its own round trip only.
+:class:`ScriptCoalescer` queues the calls issued while a write is being
+answered (or within one loop turn) and sends them all in the next write, on a
+connection of its own (:class:`~server.redis.pipe.Pipe`; redis-py's pipeline
+object and pool cost more CPU per call than the calls do).
 
-- **Order.** One connection, and Redis runs a connection's commands in the
-  order it received them: calls reach Redis in the order they were issued on
-  this node, a caller's calls stay contiguous, and per-stream order holds.
+- **Order.** One write in flight at a time, on one connection: calls reach
+  Redis in the order they were issued on this node, a caller's calls stay
+  contiguous, and per-stream order holds.
 - **Atomicity.** Each call is still one script run; a pipeline is not a
   transaction, nor does it need to be.
 - **The script.** Each new connection starts with ``SCRIPT LOAD``, so a Redis
@@ -18,9 +19,9 @@ write's replies: a publish waits for its own round trip only.
   under a live connection: none of those calls ran, and they are sent again as
   ``EVAL``.
 - **Failures.** A call's error goes to its own caller. A lost or stalled
-  connection fails what was outstanding on it; each caller resends its
-  unanswered calls once, in order, on a new connection. Some may have run
-  already: every append names its event, so a resent one runs once
+  connection fails what was outstanding on it; the unanswered calls are sent
+  once more, in order, on a new connection. Some may have run already: every
+  append names its event, so a resent one runs once
   (``server/bus/redis_streams.py``).
 """
 
@@ -40,6 +41,8 @@ from server.redis.shard_pipes import Script
 
 Call = tuple[Sequence[str], Sequence[Any]]
 """One script run: (keys, args)."""
+Queued = tuple[Sequence[Call], "asyncio.Future[list[Any]]"]
+"""One caller's calls and where their replies go."""
 
 _LOST = (RedisConnectionError, RedisTimeoutError, OSError)
 RESENDS = 1
@@ -56,32 +59,55 @@ class ScriptCoalescer:
         self._script = Script(script)
         self._stall_timeout = stall_timeout
         self._pipe: Pipe | None = None
-        self._running = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._queue: list[Queued] = []
+        self._flushing: asyncio.Task[None] | None = None
 
     async def run(self, calls: Sequence[Call]) -> list[Any]:
         """Run ``calls`` in order, in the next write; their replies, or the
-        first call's error that failed."""
-        self._running += 1
-        self._idle.clear()
-        try:
-            replies = await self._replies(calls)
-        finally:
-            self._running -= 1
-            if self._running == 0:
-                self._idle.set()
-        error = next((r for r in replies if isinstance(r, Exception)), None)
-        if error is not None:
-            raise error
-        return replies
+        error of the first call that failed."""
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._queue.append((calls, future))
+        if self._flushing is None:
+            # A task starts on the next loop turn: the calls issued in this one join it.
+            self._flushing = asyncio.create_task(self._flush(), name="script-coalescer")
+        return await future
 
     async def close(self) -> None:
-        """Let the calls under way finish, then close the connection."""
-        await self._idle.wait()
+        """Let the queued calls finish, then close the connection."""
+        if self._flushing is not None:
+            await asyncio.wait([self._flushing])
         if self._pipe is not None:
             await self._pipe.close()
             self._pipe = None
+
+    async def _flush(self) -> None:
+        batch: list[Queued] = []
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                try:
+                    replies = await self._replies([call for calls, _ in batch for call in calls])
+                except Exception as exc:
+                    _fail(batch, exc)
+                    continue
+                start = 0
+                for calls, future in batch:
+                    mine = replies[start : start + len(calls)]
+                    start += len(calls)
+                    if future.done():
+                        continue  # its caller was cancelled; the calls ran all the same
+                    error = next((r for r in mine if isinstance(r, Exception)), None)
+                    if error is None:
+                        future.set_result(mine)
+                    else:
+                        future.set_exception(error)
+        except BaseException as exc:
+            # Cancelled (the loop is closing): nobody may wait forever.
+            _fail(batch + self._queue, RedisConnectionError(f"script calls abandoned: {exc!r}"))
+            self._queue = []
+            raise
+        finally:
+            self._flushing = None
 
     def _current(self) -> Pipe:
         pipe = self._pipe
@@ -130,6 +156,12 @@ class ScriptCoalescer:
                     break
             unanswered = again
         return replies
+
+
+def _fail(batch: Sequence[Queued], exc: Exception) -> None:
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(exc)
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
