@@ -1,10 +1,11 @@
 """One Redis connection, pipelined: each loop turn's commands in one write.
 
-Every command issued in one event-loop turn goes out in one write, with
-earlier writes still unanswered; one reader task hands the replies back in
+Every command submitted in one event-loop turn goes out in one write, whether
+or not earlier writes are answered; one reader task hands the replies back in
 order (Redis answers a connection's commands in the order it received them).
-So commands on one pipe also *run* in the order they were issued, and no
-caller waits for someone else's round trip before its command is sent.
+So commands on one pipe also *run* in the order they were submitted. An owner
+that wants fewer, fuller writes holds its commands back itself (the coalescer
+keeps one write in flight).
 
 Nothing here retries: a lost connection, or one that leaves its oldest command
 unanswered for ``stall_timeout``, fails every command outstanding on it and
