@@ -17,6 +17,7 @@ import boto3
 import pytest
 from hypothesis import HealthCheck, settings
 
+from loadtest.harness.faults import TcpFaultProxy
 from loadtest.harness.redis_cluster import RedisCluster, redis_cluster_for_tests
 from server.app import bound_port, start_listeners
 from server.config import Settings
@@ -285,6 +286,18 @@ def fresh_redis(worker_redis: RedisServer) -> RedisServer:
         worker_redis.restart()
     worker_redis.flush()
     return worker_redis
+
+
+@pytest.fixture
+async def redis_proxy(fresh_redis: RedisServer) -> AsyncIterator[TcpFaultProxy]:
+    """A :class:`TcpFaultProxy` in front of ``fresh_redis``: faults on demand, and
+    a record of the round trips through it."""
+    proxy = TcpFaultProxy(fresh_redis.port)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
 
 
 @pytest.fixture(scope="session")

@@ -23,20 +23,12 @@ AUTHOR = "rtauthor"
 
 
 @pytest.fixture
-async def proxy(fresh_redis: RedisServer) -> AsyncIterator[TcpFaultProxy]:
-    proxy = TcpFaultProxy(fresh_redis.port)
-    await proxy.start()
-    yield proxy
-    await proxy.stop()
-
-
-@pytest.fixture
-async def redis_node(proxy: TcpFaultProxy) -> AsyncIterator[RunningServer]:
+async def redis_node(redis_proxy: TcpFaultProxy) -> AsyncIterator[RunningServer]:
     store = MemoryStore()
     seed_game(Rows(store), GAME, [AUTHOR, "other"])
     # No stream audit: its reads name the game too, and one may fall in the count.
     settings = dataclasses.replace(
-        TEST_SETTINGS, redis_url=proxy.url + "/0", chat_rate=100, stream_audit_seconds=0
+        TEST_SETTINGS, redis_url=redis_proxy.url + "/0", chat_rate=100, stream_audit_seconds=0
     )
     async with run_server(settings, store) as running:
         yield running
@@ -50,13 +42,13 @@ def chat_round_trips(requests: list[bytearray]) -> list[bytes]:
 
 
 async def test_a_comment_costs_three_redis_round_trips(
-    redis_node: RunningServer, proxy: TcpFaultProxy, fresh_redis: RedisServer
+    redis_node: RunningServer, redis_proxy: TcpFaultProxy, fresh_redis: RedisServer
 ) -> None:
     author = await redis_node.subscribed(AUTHOR)
     watcher = await redis_node.subscribed("rtwatcher", games=[GAME])
     await post(author, GAME, "warm-up")  # scripts loaded, connections open
     await watcher.wait_for(lambda: bool(watcher.of_verb("chat")), 10)
-    requests = proxy.record_round_trips()
+    requests = redis_proxy.record_round_trips()
     for number in range(5):
         reply = await post(author, GAME, f"comment {number}")
         assert reply["verb"] == "chatAck", reply

@@ -92,23 +92,13 @@ async def test_calls_run_again_after_the_script_cache_was_flushed(
 
 
 @pytest.fixture
-async def proxy(fresh_redis: RedisServer) -> AsyncIterator[TcpFaultProxy]:
-    made = TcpFaultProxy(fresh_redis.port)
-    await made.start()
-    try:
-        yield made
-    finally:
-        await made.stop()
-
-
-@pytest.fixture
-async def through_proxy(proxy: TcpFaultProxy) -> AsyncIterator[ScriptCoalescer]:
-    client = aioredis.Redis.from_url(proxy.url)
+async def through_proxy(redis_proxy: TcpFaultProxy) -> AsyncIterator[ScriptCoalescer]:
+    client = aioredis.Redis.from_url(redis_proxy.url)
     coalescer = ScriptCoalescer(client, INCR_BY)
     try:
         yield coalescer
     finally:
-        proxy.heal()
+        redis_proxy.heal()
         await coalescer.close()
         await client.aclose()
 
@@ -121,23 +111,23 @@ def logged(redis_server: RedisServer, log: str) -> list[bytes]:
 
 
 async def test_calls_issued_while_a_write_is_answered_go_together_in_the_next(
-    through_proxy: ScriptCoalescer, proxy: TcpFaultProxy, fresh_redis: RedisServer
+    through_proxy: ScriptCoalescer, redis_proxy: TcpFaultProxy, fresh_redis: RedisServer
 ) -> None:
     key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
     assert await through_proxy.run([([key, log], [1])]) == [1]
-    proxy.hold_replies()
+    redis_proxy.hold_replies()
     first = asyncio.create_task(through_proxy.run([([key, log], [2])]))
     await eventually_in_thread(
         lambda: logged(fresh_redis, log) == [b"1", b"2"], HANG_GUARD_S, "the first call to run"
     )
-    requests = proxy.record_round_trips()
+    requests = redis_proxy.record_round_trips()
     second = asyncio.create_task(through_proxy.run([([key, log], [4])]))
     await asyncio.sleep(0.05)
     third = asyncio.create_task(through_proxy.run([([key, log], [8])]))
     await asyncio.sleep(0.2)
     assert logged(fresh_redis, log) == [b"1", b"2"]  # nothing more while the first is out
     assert not requests
-    proxy.heal()
+    redis_proxy.heal()
     assert [await first, await second, await third] == [[3], [7], [15]]
     assert len(requests) == 1  # one write, after the first one's reply
     assert b"$1\r\n4\r\n" in requests[0] and b"$1\r\n8\r\n" in requests[0]
@@ -145,7 +135,7 @@ async def test_calls_issued_while_a_write_is_answered_go_together_in_the_next(
 
 
 async def test_after_a_redis_restart_the_script_is_loaded_before_the_first_call(
-    through_proxy: ScriptCoalescer, proxy: TcpFaultProxy, fresh_redis: RedisServer
+    through_proxy: ScriptCoalescer, redis_proxy: TcpFaultProxy, fresh_redis: RedisServer
 ) -> None:
     key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
     assert await through_proxy.run([([key, log], [1])]) == [1]
@@ -158,29 +148,29 @@ async def test_after_a_redis_restart_the_script_is_loaded_before_the_first_call(
 
 
 async def test_a_call_cut_off_is_sent_once_more_then_fails_its_caller(
-    through_proxy: ScriptCoalescer, proxy: TcpFaultProxy, fresh_redis: RedisServer
+    through_proxy: ScriptCoalescer, redis_proxy: TcpFaultProxy, fresh_redis: RedisServer
 ) -> None:
     key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
     assert await through_proxy.run([([key, log], [1])]) == [1]
-    proxy.cut_after(b"EVALSHA", count=1)
+    redis_proxy.cut_after(b"EVALSHA", count=1)
     # Cut once: resent on a new connection. (This script is not idempotent, as
     # an append is: the log shows each time it reached Redis.)
     assert await through_proxy.run([([key, log], [10])]) == [21]
     assert logged(fresh_redis, log) == [b"1", b"10", b"10"]
-    proxy.cut_after(b"EVALSHA", count=2)
+    redis_proxy.cut_after(b"EVALSHA", count=2)
     with pytest.raises(RedisConnectionError):
         await through_proxy.run([([key, log], [100])])
-    assert proxy.cuts_after_write == 3
+    assert redis_proxy.cuts_after_write == 3
     assert logged(fresh_redis, log) == [b"1", b"10", b"10", b"100", b"100"]
     assert await through_proxy.run([([key, log], [1000])]) == [1221]
 
 
 async def test_close_lets_the_calls_under_way_finish(
-    through_proxy: ScriptCoalescer, proxy: TcpFaultProxy, fresh_redis: RedisServer
+    through_proxy: ScriptCoalescer, redis_proxy: TcpFaultProxy, fresh_redis: RedisServer
 ) -> None:
     key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
     assert await through_proxy.run([([key, log], [1])]) == [1]
-    proxy.hold_replies()
+    redis_proxy.hold_replies()
     call = asyncio.create_task(through_proxy.run([([key, log], [2])]))
     await eventually_in_thread(
         lambda: len(logged(fresh_redis, log)) == 2, HANG_GUARD_S, "the call to run"
@@ -188,7 +178,7 @@ async def test_close_lets_the_calls_under_way_finish(
     closing = asyncio.create_task(through_proxy.close())
     await asyncio.wait([closing], timeout=0.2)
     assert not closing.done()
-    proxy.heal()
+    redis_proxy.heal()
     assert await call == [3]
     await closing
     assert logged(fresh_redis, log) == [b"1", b"2"]  # answered on its first connection
