@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -110,16 +111,25 @@ def logged(redis_server: RedisServer, log: str) -> list[bytes]:
         return entries
 
 
+async def a_call_unanswered(
+    coalescer: ScriptCoalescer, proxy: TcpFaultProxy, redis_server: RedisServer, log: str
+) -> tuple[str, asyncio.Task[list[Any]]]:
+    """A call that has run in Redis while its reply is held back; its key."""
+    key = f"n:{uuid.uuid4().hex}"
+    assert await coalescer.run([([key, log], [1])]) == [1]
+    proxy.hold_replies()
+    call = asyncio.create_task(coalescer.run([([key, log], [2])]))
+    await eventually_in_thread(
+        lambda: logged(redis_server, log) == [b"1", b"2"], HANG_GUARD_S, "the call to run"
+    )
+    return key, call
+
+
 async def test_calls_issued_while_a_write_is_answered_go_together_in_the_next(
     through_proxy: ScriptCoalescer, redis_proxy: TcpFaultProxy, fresh_redis: RedisServer
 ) -> None:
-    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
-    assert await through_proxy.run([([key, log], [1])]) == [1]
-    redis_proxy.hold_replies()
-    first = asyncio.create_task(through_proxy.run([([key, log], [2])]))
-    await eventually_in_thread(
-        lambda: logged(fresh_redis, log) == [b"1", b"2"], HANG_GUARD_S, "the first call to run"
-    )
+    log = f"log:{uuid.uuid4().hex}"
+    key, first = await a_call_unanswered(through_proxy, redis_proxy, fresh_redis, log)
     requests = redis_proxy.record_round_trips()
     second = asyncio.create_task(through_proxy.run([([key, log], [4])]))
     await asyncio.sleep(0.05)
@@ -168,13 +178,8 @@ async def test_a_call_cut_off_is_sent_once_more_then_fails_its_caller(
 async def test_close_lets_the_calls_under_way_finish(
     through_proxy: ScriptCoalescer, redis_proxy: TcpFaultProxy, fresh_redis: RedisServer
 ) -> None:
-    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
-    assert await through_proxy.run([([key, log], [1])]) == [1]
-    redis_proxy.hold_replies()
-    call = asyncio.create_task(through_proxy.run([([key, log], [2])]))
-    await eventually_in_thread(
-        lambda: len(logged(fresh_redis, log)) == 2, HANG_GUARD_S, "the call to run"
-    )
+    log = f"log:{uuid.uuid4().hex}"
+    _, call = await a_call_unanswered(through_proxy, redis_proxy, fresh_redis, log)
     closing = asyncio.create_task(through_proxy.close())
     await asyncio.wait([closing], timeout=0.2)
     assert not closing.done()

@@ -9,10 +9,8 @@ The cut comes from :class:`~loadtest.harness.faults.TcpFaultProxy`: it lets the
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
@@ -23,26 +21,7 @@ from loadtest.harness.servers import HOST
 from server.bus.redis_streams import RedisStreams, event_id_key, history_key
 from server.bus.streams import DEFAULT_LIMITS, NOTIFICATION_NAME, OWN_NAME, Append, new_event_id
 from server.redis.shard_pipes import ShardPipes
-from tests.services import RedisServer, start_redis_server
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = start_redis_server()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-async def proxy(redis_server: RedisServer) -> AsyncIterator[TcpFaultProxy]:
-    made = TcpFaultProxy(redis_server.port)
-    await made.start()
-    try:
-        yield made
-    finally:
-        await made.stop()
+from tests.services import RedisServer
 
 
 async def history_of(url: str, stream: str) -> list[tuple[bytes, bytes]]:
@@ -55,21 +34,21 @@ async def history_of(url: str, stream: str) -> list[tuple[bytes, bytes]]:
 
 
 async def test_an_append_resent_after_a_cut_is_appended_once(
-    redis_server: RedisServer, proxy: TcpFaultProxy
+    fresh_redis: RedisServer, redis_proxy: TcpFaultProxy
 ) -> None:
-    streams = RedisStreams(proxy.url)
+    streams = RedisStreams(redis_proxy.url)
     stream = f"game:chess#{uuid.uuid4().hex[:8]}"
     try:
         await streams.start()
         first = await streams.append(stream, b"one", (stream,))
-        proxy.cut_after(b"EVALSHA")
+        redis_proxy.cut_after(b"EVALSHA")
         second = await streams.append(stream, b"two", (stream,))  # no name given
-        assert proxy.cuts_after_write == 1
+        assert redis_proxy.cuts_after_write == 1
         third = await streams.append(stream, b"three", (stream,))
     finally:
         await streams.close()
     assert [first.offset, second.offset, third.offset] == [1, 2, 3]
-    assert await history_of(redis_server.url, stream) == [
+    assert await history_of(fresh_redis.url, stream) == [
         (b"1-0", b"one"),
         (b"2-0", b"two"),
         (b"3-0", b"three"),
@@ -77,21 +56,21 @@ async def test_an_append_resent_after_a_cut_is_appended_once(
 
 
 async def test_a_pipeline_resent_after_a_cut_appends_each_event_once(
-    redis_server: RedisServer, proxy: TcpFaultProxy
+    fresh_redis: RedisServer, redis_proxy: TcpFaultProxy
 ) -> None:
-    streams = RedisStreams(proxy.url)
+    streams = RedisStreams(redis_proxy.url)
     stream = f"game:go#{uuid.uuid4().hex[:8]}"
     try:
         await streams.start()
         await streams.append(stream, b"warm", (stream,))  # the script is loaded
-        proxy.cut_after(b"EVALSHA")
+        redis_proxy.cut_after(b"EVALSHA")
         items = [Append(stream, b"e%d" % i, (stream,)) for i in range(5)]
         positions = await streams.append_many(items)
-        assert proxy.cuts_after_write == 1
+        assert redis_proxy.cuts_after_write == 1
     finally:
         await streams.close()
     assert [p.offset for p in positions] == [2, 3, 4, 5, 6]
-    data = [d for _, d in await history_of(redis_server.url, stream)]
+    data = [d for _, d in await history_of(fresh_redis.url, stream)]
     assert data == [b"warm", b"e0", b"e1", b"e2", b"e3", b"e4"]
 
 
@@ -142,13 +121,13 @@ async def test_a_cluster_append_resent_by_the_shard_pipes_is_appended_once(
     assert [bytes(fields[b"d"]) for _, fields in entries] == [b"one", b"two", b"three"]
 
 
-async def test_each_name_is_kept_for_its_window(redis_server: RedisServer) -> None:
+async def test_each_name_is_kept_for_its_window(fresh_redis: RedisServer) -> None:
     """Names made here only come back through our own retries (5 min), a
     notification's as long as its push's dedup (24 h), others 15 min."""
-    streams = RedisStreams(redis_server.url)
+    streams = RedisStreams(fresh_redis.url)
     stream = f"user:{uuid.uuid4().hex[:8]}"
     own, notification = new_event_id(), NOTIFICATION_NAME + "1700000000000#abc"
-    client = aioredis.Redis.from_url(redis_server.url)
+    client = aioredis.Redis.from_url(fresh_redis.url)
     try:
         await streams.start()
         await streams.append(stream, b"a", (), own)
