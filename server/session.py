@@ -193,15 +193,17 @@ class TurnWrites:
         prompts, self.prompts = self.prompts, []
         # They stay in ``dirty``: the flush finds nothing pending for them, or
         # only what came after.
-        self._write(prompts)
+        self.write(prompts)
 
     def flush(self) -> None:
         self.scheduled = False
         self.flushes += 1
         dirty, self.dirty = self.dirty, []
-        self._write(dirty)
+        self.write(dirty)
 
-    def _write(self, sessions: list[Session]) -> None:
+    def write(self, sessions: list[Session]) -> None:
+        """Each open session's pending frames in one write; the flush, a prompt and a
+        close all come here."""
         opened = State.OPEN
         writes = frames = 0
         for session in sessions:
@@ -373,19 +375,7 @@ class Session:
     def write_pending(self) -> None:
         """Write the frames waiting for the flush now, ahead of a close frame that must
         come last."""
-        pending = self.pending
-        if pending is not None:
-            self.pending = None
-            extra, self.extra_frames = self.extra_frames, 0
-            if self.ws.protocol.state is State.OPEN:
-                if isinstance(pending, bytes):
-                    self.ws.transport.write(pending)
-                    frames = 1
-                else:
-                    self.ws.transport.write(b"".join(pending))
-                    frames = len(pending)
-                self.traffic.socket_writes += 1
-                self.traffic.frames_sent += frames + extra
+        self.turn.write([self])
 
     def close(self, code: CloseCode, reason: str) -> None:
         """Start the closing handshake without waiting for it."""

@@ -72,8 +72,8 @@ from server.bus.streams import (
 from server.redis.client import make_client
 from server.redis.coalesce import ScriptCoalescer
 from server.redis.keys import channel_for
-from server.redis.scripts import for_bus, lua
-from server.redis.shard_pipes import Script, ShardPipes
+from server.redis.scripts import Script, for_bus, lua
+from server.redis.shard_pipes import ShardPipes
 
 APPEND = lua("server.bus", "stream_append")
 READ = lua("server.bus", "stream_read")

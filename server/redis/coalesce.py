@@ -37,7 +37,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from server.redis.pipe import STALL_TIMEOUT_S, Pipe
-from server.redis.shard_pipes import Script
+from server.redis.scripts import Script
 
 Call = tuple[Sequence[str], Sequence[Any]]
 """One script run: (keys, args)."""

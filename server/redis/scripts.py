@@ -17,7 +17,17 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 
-class ShardScript:
+class Script:
+    """A Lua script's source and the SHA1 that ``EVALSHA`` names it by."""
+
+    __slots__ = ("sha", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+class ShardScript(Script):
     """A Lua script on a Redis Cluster: ``EVALSHA``, and ``EVAL`` when the shard lacks it.
 
     redis-py's ``register_script`` answers ``NOSCRIPT`` with ``SCRIPT LOAD`` on
@@ -27,16 +37,17 @@ class ShardScript:
     not run, so ``EVAL`` (which caches it on that shard) is safe to send.
     """
 
-    def __init__(self, client: Any, script: str) -> None:
+    __slots__ = ("client",)
+
+    def __init__(self, client: Any, source: str) -> None:
+        super().__init__(source)
         self.client = client
-        self.script = script
-        self.sha = hashlib.sha1(script.encode()).hexdigest()
 
     async def __call__(self, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
         try:
             return await self.client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            return await self.client.eval(self.script, len(keys), *keys, *args)
+            return await self.client.eval(self.source, len(keys), *keys, *args)
 
 
 def script_for(client: Any, source: str) -> Any:

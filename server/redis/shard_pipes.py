@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections import deque
@@ -55,6 +54,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from server.redis.pipe import STALL_TIMEOUT_S, Pipe
+from server.redis.scripts import Script
 from server.runtime.backoff import Backoff, Retrying
 from server.runtime.metrics import Registry
 
@@ -72,14 +72,6 @@ _TRANSIENT = (
     TryAgainError,
     ClusterDownError,
 )
-
-
-class Script:
-    """A Lua script's source and the SHA1 that ``EVALSHA`` names it by."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
 
 
 class ShardPipes:
