@@ -15,7 +15,10 @@ presence report. This measures what they take from fan-out while they drain.
   (``--saturation-seconds``), its deliveries drained; then every client closes.
 - The figure: delivered messages per server CPU-second of the phase, cluster ÷
   embedded, the median of the per-round ratios. The cluster node's
-  ``lastSeen`` counters show how many writes the phase overlapped.
+  ``lastSeen`` counters show how many writes the phase overlapped; each
+  node's frames per socket write, flushes and flushes held by
+  ``--write-delay-ms`` (from its ``/metrics``, over the connect and the phase)
+  show what the write delay did there.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ async def connect_storm(run: Run) -> Result:
                 run.rng,
                 prefix=_user_prefix(number, label),
             )
-            before_metrics = await run_metrics(proc) if label == "cluster" else {}
+            before_metrics = await run_metrics(proc)
             run.activate(label, "connect")
             await run.connect(
                 specs,
@@ -149,8 +152,15 @@ async def connect_storm(run: Run) -> Result:
             latency = merge_latency(await run.collect(run.observer_workers))
             record = _phase(stats, latency.get(phase_id, Histogram()), *meters)
             record["round"] = number + 1
+            after = await run_metrics(proc)
+            # what the flush rule did: frames per socket write, flushes held by the delay
+            record["frames_per_write"] = ratio(
+                _delta(before_metrics, after, "ap_frames_sent_total"),
+                _delta(before_metrics, after, "ap_socket_writes_total"),
+            )
+            record["flushes"] = _delta(before_metrics, after, "ap_write_flushes_total")
+            record["flushes_held"] = _delta(before_metrics, after, "ap_write_flushes_held_total")
             if label == "cluster":
-                after = await run_metrics(proc)
                 record["last_seen_writes"] = _delta(
                     before_metrics, after, "ap_last_seen_writes_total"
                 )
