@@ -408,4 +408,12 @@ def test_connect(outcomes: dict[str, Outcome]) -> None:
             assert _finite(phase["delivered_per_cpu_s"]) and phase["delivered_per_cpu_s"] > 0
         else:
             assert phase["delivered_per_cpu_s"] is None, phase
+        assert phase["frames_per_write"] >= 1.0, phase  # a write carries one frame or more
+        assert 0 <= phase["flushes_held"] <= phase["flushes"], phase
+        assert phase["other_settled_s"] >= 0.0, phase
     assert "last_seen_writes" in servers["cluster node"]["connect_rounds"][0]
+    # closed loop (no --rate): the target is judged
+    figures = outcomes["connect"].figures
+    assert figures is not None
+    (target,) = figures["figures"]["targets"]
+    assert target["scenario"] == "connect"

@@ -31,6 +31,9 @@ from loadtest.harness.servers import (
 from loadtest.report.stats import Histogram
 
 SAMPLE_INTERVAL = 0.25
+SETTLED_CORES = 0.05
+"""A server using less CPU than this is done with the earlier phases' work."""
+SETTLE_LIMIT_S = 120.0
 GAME_META = "loadtest"
 REDIS_NODE = "ours+redis"
 
@@ -379,6 +382,24 @@ class Run:
                 await asyncio.sleep(gap)
             values.append(self.server_rss(label))
         return int(statistics.median(values))
+
+    async def settle(self, label: str) -> float:
+        """Wait until a server is idle (under ``SETTLED_CORES`` for a second, or
+        ``SETTLE_LIMIT_S`` at most); returns the seconds waited.
+
+        A phase leaves write-behind work queued (on a cluster node, a claim and a
+        DynamoDB ``lastSeen`` write per user through moto, seconds of it): it must
+        be billed neither to the next phase on that node nor to another server's.
+        """
+        start = last_at = time.monotonic()
+        last = self.server_cpu(label)
+        while last_at - start < SETTLE_LIMIT_S:
+            await self.wait_timed(f"{label}: waiting for the node to settle", 1.0)
+            now, now_at = self.server_cpu(label), time.monotonic()
+            if now - last < SETTLED_CORES * (now_at - last_at):
+                break
+            last, last_at = now, now_at
+        return time.monotonic() - start
 
     async def _sample(self) -> None:
         while True:

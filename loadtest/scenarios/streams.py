@@ -189,9 +189,6 @@ def _publish_verdicts(options: Options, servers: dict[str, Result]) -> list[dict
 # --- recovery -----------------------------------------------------------------
 
 FIRST, AWAY, AFTER = 1, 2, 3  # the phases of the published events
-SETTLED_CORES = 0.05
-"""A node using less CPU than this is done with the earlier phases' work."""
-SETTLE_LIMIT_S = 120.0
 
 
 async def recovery(run: Run) -> Result:
@@ -301,7 +298,7 @@ async def _recovery_phases(
     away = await publisher.each_game(AWAY, options.away_events)
     away_rate = away.accepted / away.duration
     tops_before_storm = _tops(publisher, games)
-    settle_s = await _settle(run, label)
+    settle_s = await run.settle(label)
     await run.pool.fresh_ticks()
     received_before = run.pool.total("stream_events")
     # 3. Everyone comes back at the same instant with ``since``.
@@ -408,24 +405,6 @@ async def _recovery_phases(
         "counters": counters,
         **meter,
     }
-
-
-async def _settle(run: Run, label: str) -> float:
-    """Wait until the node is idle; returns the seconds waited.
-
-    The connect phase leaves write-behind work queued (on a Redis node, a
-    claim and a DynamoDB ``lastSeen`` write per user through moto, which take
-    tens of seconds): it must not be billed to the storm.
-    """
-    start = last_at = time.monotonic()
-    last = run.server_cpu(label)
-    while last_at - start < SETTLE_LIMIT_S:
-        await run.wait_timed(f"{label}: waiting for the node to settle", 1.0)
-        now, now_at = run.server_cpu(label), time.monotonic()
-        if now - last < SETTLED_CORES * (now_at - last_at):
-            break
-        last, last_at = now, now_at
-    return time.monotonic() - start
 
 
 def _tops(publisher: Publisher, games: Sequence[tuple[str, str]]) -> dict[str, int]:
