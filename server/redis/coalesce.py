@@ -60,54 +60,108 @@ class ScriptCoalescer:
         self._stall_timeout = stall_timeout
         self._pipe: Pipe | None = None
         self._queue: list[Queued] = []
-        self._flushing: asyncio.Task[None] | None = None
+        self._in_flight: _Batch | None = None
+        self._send_soon: asyncio.Handle | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def run(self, calls: Sequence[Call]) -> list[Any]:
         """Run ``calls`` in order, in the next write; their replies, or the
         error of the first call that failed."""
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
         self._queue.append((calls, future))
-        if self._flushing is None:
-            # A task starts on the next loop turn: the calls issued in this one join it.
-            self._flushing = asyncio.create_task(self._flush(), name="script-coalescer")
+        self._idle.clear()
+        if self._in_flight is None and self._send_soon is None:
+            # Sent at the end of this loop turn: the calls issued in it join.
+            self._send_soon = loop.call_soon(self._send_queued)
         return await future
 
     async def close(self) -> None:
         """Let the queued calls finish, then close the connection."""
-        if self._flushing is not None:
-            await asyncio.wait([self._flushing])
+        await self._idle.wait()
         if self._pipe is not None:
             await self._pipe.close()
             self._pipe = None
 
-    async def _flush(self) -> None:
-        batch: list[Queued] = []
-        try:
-            while self._queue:
-                batch, self._queue = self._queue, []
-                try:
-                    replies = await self._replies([call for calls, _ in batch for call in calls])
-                except Exception as exc:
-                    _fail(batch, exc)
-                    continue
-                start = 0
-                for calls, future in batch:
-                    mine = replies[start : start + len(calls)]
-                    start += len(calls)
-                    if future.done():
-                        continue  # its caller was cancelled; the calls ran all the same
-                    error = next((r for r in mine if isinstance(r, Exception)), None)
-                    if error is None:
-                        future.set_result(mine)
-                    else:
-                        future.set_exception(error)
-        except BaseException as exc:
-            # Cancelled (the loop is closing): nobody may wait forever.
-            _fail(batch + self._queue, RedisConnectionError(f"script calls abandoned: {exc!r}"))
-            self._queue = []
-            raise
-        finally:
-            self._flushing = None
+    def _send_queued(self) -> None:
+        """Send the queue as one batch. Called when nothing is in flight, from
+        ``call_soon`` or from the reply that ended the batch before, so the next
+        write leaves in the same loop turn as the last reply arrived."""
+        self._send_soon = None
+        if not self._queue:
+            self._idle.set()
+            return
+        callers, self._queue = self._queue, []
+        batch = self._in_flight = _Batch(callers)
+        self._send(batch)
+
+    def _send(self, batch: _Batch) -> None:
+        script = self._script
+        commands = []
+        for index in batch.unanswered:
+            keys, args = batch.calls[index]
+            if index in batch.uncached:
+                commands.append(("EVAL", script.source, len(keys), *keys, *args))
+            else:
+                commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
+        batch.outcomes = []
+        expected = len(commands)
+
+        def collect(outcome: Any) -> None:
+            batch.outcomes.append(outcome)
+            if len(batch.outcomes) == expected:
+                self._answered(batch)
+
+        self._current().send(commands, [collect] * expected, now=True)
+
+    def _answered(self, batch: _Batch) -> None:
+        """Every command of the batch's last write has its outcome."""
+        again: list[int] = []
+        for position, (index, outcome) in enumerate(
+            zip(batch.unanswered, batch.outcomes, strict=True)
+        ):
+            if isinstance(outcome, NoScriptError):
+                # The cache was flushed under this connection: it did not run.
+                # EVAL runs it and loads the script again.
+                batch.uncached.add(index)
+                again.append(index)
+            elif isinstance(outcome, ResponseError):
+                batch.replies[index] = outcome  # this call's own error
+            elif isinstance(outcome, _LOST):
+                # Replies come in order: this one and every later one are lost.
+                batch.losses += 1
+                if batch.losses > RESENDS:
+                    return self._done(batch, outcome)
+                again.extend(batch.unanswered[position:])
+                break
+            elif isinstance(outcome, BaseException):
+                return self._done(batch, outcome)
+            else:
+                batch.replies[index] = outcome
+        if again:
+            batch.unanswered = again
+            self._send(batch)
+        else:
+            self._done(batch, None)
+
+    def _done(self, batch: _Batch, error: BaseException | None) -> None:
+        self._in_flight = None
+        if error is not None:
+            _fail(batch.callers, error)
+        else:
+            start = 0
+            for calls, future in batch.callers:
+                mine = batch.replies[start : start + len(calls)]
+                start += len(calls)
+                if future.done():
+                    continue  # its caller was cancelled; the calls ran all the same
+                failed = next((r for r in mine if isinstance(r, BaseException)), None)
+                if failed is None:
+                    future.set_result(mine)
+                else:
+                    future.set_exception(failed)
+        self._send_queued()
 
     def _current(self) -> Pipe:
         pipe = self._pipe
@@ -115,58 +169,28 @@ class ScriptCoalescer:
             connection = self._pool.make_connection()  # type: ignore[no-untyped-call]
             pipe = self._pipe = Pipe(connection, "redis-scripts", self._stall_timeout)
             # Its reply matters to nobody: a load that failed shows as NOSCRIPT.
-            (load,) = pipe.submit(("SCRIPT", "LOAD", self._script.source))
-            load.add_done_callback(_retrieve)
+            pipe.send([("SCRIPT", "LOAD", self._script.source)], [_ignore])
         return pipe
 
-    async def _replies(self, calls: Sequence[Call]) -> list[Any]:
-        script = self._script
-        replies: list[Any] = [None] * len(calls)
-        unanswered = list(range(len(calls)))
-        uncached: set[int] = set()
-        losses = 0
-        while unanswered:
-            commands = []
-            for index in unanswered:
-                keys, args = calls[index]
-                if index in uncached:
-                    commands.append(("EVAL", script.source, len(keys), *keys, *args))
-                else:
-                    commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
-            futures = self._current().submit(*commands)
-            again: list[int] = []
-            for position, (index, future) in enumerate(zip(unanswered, futures, strict=True)):
-                try:
-                    replies[index] = await future
-                except NoScriptError:
-                    # The cache was flushed under this connection: it did not run.
-                    # EVAL runs it and loads the script again.
-                    uncached.add(index)
-                    again.append(index)
-                except ResponseError as exc:
-                    replies[index] = exc  # this call's own error
-                except _LOST:
-                    # Replies come in order: this one and every later one are lost.
-                    for rest in futures[position + 1 :]:
-                        _retrieve(rest)
-                    losses += 1
-                    if losses > RESENDS:
-                        raise
-                    again.extend(unanswered[position:])
-                    break
-            unanswered = again
-        return replies
+
+class _Batch:
+    """One write's callers, and where their calls stand."""
+
+    def __init__(self, callers: list[Queued]) -> None:
+        self.callers = callers
+        self.calls: list[Call] = [call for calls, _ in callers for call in calls]
+        self.replies: list[Any] = [None] * len(self.calls)
+        self.unanswered = list(range(len(self.calls)))
+        self.uncached: set[int] = set()
+        self.outcomes: list[Any] = []
+        self.losses = 0
 
 
-def _fail(batch: Sequence[Queued], exc: Exception) -> None:
+def _fail(batch: Sequence[Queued], exc: BaseException) -> None:
     for _, future in batch:
         if not future.done():
             future.set_exception(exc)
 
 
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """Mark an outcome nobody awaits as seen (asyncio logs unseen exceptions)."""
-    if not future.done():
-        future.add_done_callback(_retrieve)
-    elif not future.cancelled():
-        future.exception()
+def _ignore(outcome: Any) -> None:
+    pass
