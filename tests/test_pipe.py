@@ -5,19 +5,26 @@ faults)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 import uvloop
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from loadtest.harness.faults import TcpFaultProxy
+from server.redis.coalesce import ScriptCoalescer
 from server.redis.pipe import Pipe
-from tests.services import RedisServer
+from tests.services import HOST, RedisServer, free_port
 
 Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 LOOPS: dict[str, Runner] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
@@ -142,3 +149,70 @@ async def test_a_handshake_never_answered_is_given_up_on(redis_proxy: TcpFaultPr
     finally:
         redis_proxy.heal()
         await pipe.close()
+
+
+@pytest.fixture(scope="module")
+def tls_redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A ``redis-server`` that speaks TLS only, with a throwaway self-signed certificate."""
+    directory = tmp_path_factory.mktemp("tls-redis")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    subject = ["-subj", f"/CN={HOST}", "-keyout", str(key), "-out", str(cert)]
+    subprocess.run([*openssl, *subject], check=True, capture_output=True)
+    port = free_port()
+    plain_off = ["--save", "", "--appendonly", "no", "--bind", HOST, "--port", "0"]
+    tls = ["--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    clients = ["--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+    process = subprocess.Popen(
+        ["redis-server", *plain_off, *tls, *clients],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for_tls(port, cert, process)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _wait_for_tls(port: int, cert: Path, process: subprocess.Popen[bytes]) -> None:
+    context = ssl.create_default_context(cafile=str(cert))
+    context.check_hostname = False
+    deadline = time.monotonic() + 30
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            with socket.create_connection((HOST, port), 1) as raw, context.wrap_socket(raw):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server with TLS on {port} did not come up ({process.poll()})")
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_a_tls_connection_is_taken_over_too(tls_redis_port: int, loop: str) -> None:
+    async def check() -> list[Any]:
+        connection = SSLConnection(host=HOST, port=tls_redis_port, ssl_cert_reqs="none")
+        pipe = Pipe(connection, "tls")
+        try:
+            futures = pipe.submit(
+                ("SET", "pipe:tls", "v"), ("GET", "pipe:tls"), ("EVALSHA", "0" * 40, 0)
+            )
+            return list(await asyncio.gather(*futures, return_exceptions=True))
+        finally:
+            await pipe.close()
+
+    set_reply, get_reply, evalsha = LOOPS[loop](check())
+    assert (set_reply, get_reply) == (b"OK", b"v")
+    assert isinstance(evalsha, NoScriptError)
+
+
+async def test_a_coalescer_on_a_rediss_url(tls_redis_port: int) -> None:
+    client = aioredis.Redis.from_url(f"rediss://{HOST}:{tls_redis_port}/0?ssl_cert_reqs=none")
+    coalescer = ScriptCoalescer(client, "return redis.call('INCRBY', KEYS[1], ARGV[1])")
+    try:
+        results = await asyncio.gather(*(coalescer.run([(["pipe:tls:n"], [i])]) for i in (1, 2, 3)))
+        assert results == [[1], [3], [6]]
+    finally:
+        await coalescer.close()
+        await client.aclose()
