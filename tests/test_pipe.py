@@ -25,9 +25,12 @@ from loadtest.harness.faults import TcpFaultProxy
 from server.redis.coalesce import ScriptCoalescer
 from server.redis.pipe import Pipe
 from tests.services import HOST, RedisServer, free_port
+from tests.waiting import eventually
 
 Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 LOOPS: dict[str, Runner] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
+HANG_GUARD_S = 60.0
+"""Against a hang only: a close is seen in milliseconds, a stall after an hour."""
 
 
 def test_redis_pys_connection_still_has_the_streams_the_pipe_takes_over(
@@ -136,6 +139,45 @@ async def test_a_connection_that_stops_answering_is_given_up_on(
         assert pipe.dead
     finally:
         await pipe.close()
+
+
+async def test_a_connection_closed_after_its_handshake_fails_at_once() -> None:
+    """A server that answers the handshake (under RESP2, redis-py's two ``CLIENT
+    SETINFO``), then closes: the command fails on the close, not after the stall
+    timeout."""
+
+    async def answer_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen = b""
+        while seen.count(b"SETINFO") < 2:
+            chunk = await reader.read(4096)
+            if not chunk:
+                return
+            seen += chunk
+        writer.write(b"+OK\r\n+OK\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(answer_then_close, HOST, 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        # The close read by the pipe's protocol, and read by redis-py's before the
+        # pipe took the connection (a connection already made is taken as it is).
+        for closed_before in (False, True):
+            connection = Connection(port=port, protocol=2)
+            if closed_before:
+                await connection.connect()  # type: ignore[no-untyped-call]
+                reader = connection._reader
+                assert reader is not None
+                await eventually(reader.at_eof, HANG_GUARD_S, "redis-py's stream to see the EOF")
+            pipe = Pipe(connection, "test", stall_timeout=3600)
+            try:
+                (reply,) = pipe.submit(("PING",))
+                with pytest.raises(RedisConnectionError):
+                    await asyncio.wait_for(reply, HANG_GUARD_S)
+                assert pipe.dead
+            finally:
+                await pipe.close()
+    finally:
+        server.close()
 
 
 async def test_a_handshake_never_answered_is_given_up_on(redis_proxy: TcpFaultProxy) -> None:

@@ -140,6 +140,9 @@ class Pipe:
         leftover: bytearray = reader._buffer  # type: ignore[attr-defined]
         if leftover:  # what the handshake's reads left over
             self._received(bytes(leftover))
+        if reader.at_eof() or transport.is_closing():
+            # Closed before the protocol was ours: nothing will tell it.
+            raise RedisConnectionError(f"{self.name} closed the connection at its handshake")
         self._transport = transport
 
     def _received(self, data: bytes) -> None:
