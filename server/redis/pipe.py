@@ -71,10 +71,6 @@ class Pipe:
     def submit(self, *commands: tuple[Any, ...]) -> list[asyncio.Future[Any]]:
         """Queue ``commands`` back to back; one future per command, in order."""
         futures: list[asyncio.Future[Any]] = [self._loop.create_future() for _ in commands]
-        if self.dead:
-            for future in futures:
-                future.set_exception(RedisConnectionError(f"connection to {self.name} lost"))
-            return futures
         self.send(commands, [_settler(future) for future in futures])
         return futures
 
@@ -209,16 +205,13 @@ class _Replies(asyncio.Protocol):
 def _reader_for(connection: AbstractConnection) -> hiredis.Reader:
     """A parser that decodes, and names errors, as the connection's own would."""
     encoder = connection.encoder
-    if encoder.decode_responses:
-        return hiredis.Reader(
-            protocolError=InvalidResponse,
-            replyError=BaseParser.parse_error,
-            notEnoughData=_PENDING,
-            encoding=encoder.encoding,
-            errors=encoder.encoding_errors,
-        )
+    decoding = encoder.decode_responses
     return hiredis.Reader(
-        protocolError=InvalidResponse, replyError=BaseParser.parse_error, notEnoughData=_PENDING
+        protocolError=InvalidResponse,
+        replyError=BaseParser.parse_error,
+        notEnoughData=_PENDING,
+        encoding=encoder.encoding if decoding else None,
+        errors=encoder.encoding_errors if decoding else None,
     )
 
 
