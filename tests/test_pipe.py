@@ -18,12 +18,12 @@ import redis.asyncio as aioredis
 import uvloop
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import DataError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from loadtest.harness.faults import TcpFaultProxy
 from server.redis.coalesce import ScriptCoalescer
-from server.redis.pipe import Pipe
+from server.redis.pipe import Pipe, _packer_for
 from tests.services import HOST, RedisServer, free_port
 from tests.waiting import eventually
 
@@ -88,6 +88,36 @@ def test_replies_are_decoded_when_the_connection_decodes(fresh_redis: RedisServe
             await pipe.close()
 
     assert asyncio.run(check()) == ["OK", "é"]
+
+
+COMMANDS: list[tuple[Any, ...]] = [
+    ("SET", "pipe:k", "v"),
+    ("EVALSHA", "f" * 40, 3, "ap:{g}:meta", "ap:{g}:hist", "ap:{g}:id:x", b"\x00e\x001\x00"),
+    ("RPUSH", "pipe:é", -5, 0, 10**30, 0.1, 1e20, 2.0, b"", ""),
+    ("PING",),
+]
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "UTF8", "latin-1"])
+def test_commands_are_packed_as_redis_py_packs_them(encoding: str) -> None:
+    connection = Connection(encoding=encoding)
+    pack = _packer_for(connection)
+    for command in COMMANDS:
+        assert pack(command) == b"".join(connection.pack_command(*command))
+
+
+@pytest.mark.parametrize("bad", [True, None, "\udc80", [1]])
+async def test_an_argument_redis_cannot_take_is_refused_and_nothing_is_queued(
+    fresh_redis: RedisServer, bad: Any
+) -> None:
+    pipe = Pipe(Connection(port=fresh_redis.port), "test")
+    try:
+        with pytest.raises(DataError):
+            pipe.submit(("SET", "pipe:ok", "1"), ("SET", "pipe:bad", bad))
+        # Neither command went out: the next reply is the next command's own.
+        assert await pipe.submit(("EXISTS", "pipe:ok", "pipe:bad"))[0] == 0
+    finally:
+        await pipe.close()
 
 
 async def connected(proxy: TcpFaultProxy, stall_timeout: float = 5.0) -> Pipe:
