@@ -1,8 +1,7 @@
 """Redis pub/sub bus: envelopes cross nodes through one Redis.
 
-One connection publishes, one dedicated connection subscribes, and each
-message goes to the node's handler in arrival order, in the callback where its
-read arrives (:mod:`server.redis.subscriber`). Each topic is
+One connection publishes, one dedicated connection subscribes, and a reader
+task hands each message to the node's handler in arrival order. Each topic is
 one channel (``docs/cluster.md``, "Channel layout"), so a node receives only
 the game events its own clients watch.
 

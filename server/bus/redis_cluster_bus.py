@@ -10,9 +10,8 @@ polls the per-shard connections in turn, each with the timeout given, so a
 message waits for every quiet shard polled before it (or the loop spins with
 timeout 0), and a shard that hangs delays all the others. It also reconnects
 and resubscribes silently, so the node could not learn that it missed
-messages. Here each shard has its own connection, read where its data arrives
-(:mod:`server.redis.subscriber`), so shards never wait for one another, and a
-lost shard is repaired explicitly:
+messages. Here each shard has its own reader task, so shards never wait for
+one another, and a lost shard is repaired explicitly:
 
 1. ``connected`` turns False (``/readyz`` 503) and a repair task refreshes the
    slot map from the cluster, with jittered backoff, until every channel has a

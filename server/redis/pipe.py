@@ -7,12 +7,11 @@ them, so commands on one pipe also *run* in the order they were submitted.
 
 Replies are parsed where they arrive. redis-py makes the connection (TLS,
 ``AUTH``, ``SELECT``, the client name); then the pipe's own protocol takes its
-transport (:mod:`server.redis.takeover`), hiredis parses whatever each read
-holds, and each reply goes to its command's sink in that same callback. A
-reply read by a task, handed to the awaiting coalescer, handed to its caller,
-cost three loop turns, each behind whatever else the loop had queued (a
-fan-out flush of milliseconds, under load); here it costs none, and a
-:class:`~asyncio.Future` sink costs one.
+transport, hiredis parses whatever each read holds, and each reply goes to its
+command's sink in that same callback. A reply read by a task, handed to the
+awaiting coalescer, handed to its caller, cost three loop turns, each behind
+whatever else the loop had queued (a fan-out flush of milliseconds, under
+load); here it costs none, and a :class:`~asyncio.Future` sink costs one.
 
 Nothing here retries: a lost connection, or one that leaves its oldest command
 unanswered for ``stall_timeout``, fails every command outstanding on it and
@@ -37,7 +36,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, InvalidResponse, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from server.redis.takeover import take_transport
 from server.runtime.tasks import cancel_and_wait
 
 STALL_TIMEOUT_S = 5.0
@@ -133,9 +131,19 @@ class Pipe:
                 await self.connection.disconnect(nowait=True)
 
     def _take_transport(self) -> None:
-        transport, leftover = take_transport(self.connection, _Replies(self), self.name)
+        # redis-py keeps its streams private; tests/test_pipe.py pins them.
+        reader, writer = self.connection._reader, self.connection._writer
+        if reader is None or writer is None:
+            raise RedisConnectionError(f"the connection to {self.name} has no stream")
+        # asyncio's or uvloop's: both hand a transport to a new protocol.
+        transport = cast(asyncio.Transport, writer.transport)
+        transport.set_protocol(_Replies(self))
+        leftover: bytearray = reader._buffer  # type: ignore[attr-defined]
         if leftover:  # what the handshake's reads left over
-            self._received(leftover)
+            self._received(bytes(leftover))
+        if reader.at_eof() or transport.is_closing():
+            # Closed before the protocol was ours: nothing will tell it.
+            raise RedisConnectionError(f"{self.name} closed the connection at its handshake")
         self._transport = transport
 
     def _received(self, data: bytes) -> None:

@@ -2,16 +2,14 @@
 
 redis-py's ``PubSub.get_message`` costs a task wake-up, a timeout scope and a
 dict per message; on a node that mostly fans events out, that was a quarter of
-its CPU. Here hiredis parses every reply of a read in the transport's
-``data_received``, where it arrives, and each message goes to the bus's
-callback on the spot: no task wakes for it, and no loop turn passes.
+its CPU. Here one read takes whatever the socket holds, hiredis parses every
+reply in it, and each message goes to the bus's callback on the spot.
 
 redis-py still makes the connection (TLS, ``AUTH``, ``SELECT`` and the client
 name, from the same URL and options as every other client); after its
-handshake the transport is read and written here only
-(:mod:`server.redis.takeover`). Nothing reconnects by itself: a failure ends
-:meth:`Subscriber.run`, and the bus starts over on a fresh connection, knowing
-it may have missed messages.
+handshake the connection's stream is read and written here only. Nothing
+reconnects by itself: a failure ends :meth:`Subscriber.run`, and the bus starts
+over on a fresh connection, knowing it may have missed messages.
 
 Messages are *held* until :meth:`Subscriber.release`: a bus first subscribes
 and confirms (:meth:`Subscriber.barrier`), runs its reconnect callbacks, and
@@ -32,7 +30,6 @@ from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from server.redis.takeover import take_transport
 from server.runtime.tasks import cancel_and_wait
 
 Push = list[Any]
@@ -40,6 +37,7 @@ Push = list[Any]
 ``[b"message", channel, data]``, ``[b"subscribe", channel, count]``,
 ``[b"smessage", ...]`` and so on."""
 
+READ_SIZE = 1 << 16
 CONFIRM_TIMEOUT_S = 5.0
 """How long Redis has to answer a barrier (the ``PING`` after subscriptions)."""
 
@@ -62,7 +60,8 @@ class Subscriber:
         self._held: list[Push] | None = []
         self._barriers: dict[bytes, asyncio.Future[None]] = {}
         self._parser = hiredis.Reader()
-        self._transport: asyncio.Transport | None = None
+        self._stream: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
         self._lost: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.last_seen = 0.0
@@ -70,20 +69,24 @@ class Subscriber:
     async def open(self) -> None:
         """Connect (redis-py's handshake) and start reading."""
         await self.connection.connect()  # type: ignore[no-untyped-call]
+        # redis-py keeps the streams private; tests/cluster/test_subscriber.py pins them.
+        self._stream = self.connection._reader
+        self._writer = self.connection._writer
+        if self._stream is None or self._writer is None:
+            raise RedisConnectionError("the Redis connection has no stream after connecting")
         self._lost = asyncio.get_running_loop().create_future()
         self.last_seen = time.monotonic()
-        transport, leftover = take_transport(self.connection, _Pushes(self), self.name)
-        self._transport = transport
-        if leftover:
-            self._received(leftover)
-        self._tasks = [asyncio.create_task(self._watch(), name=f"subscriber-watch-{self.name}")]
+        self._tasks = [
+            asyncio.create_task(self._read(), name=f"subscriber-read-{self.name}"),
+            asyncio.create_task(self._watch(), name=f"subscriber-watch-{self.name}"),
+        ]
 
     def send(self, *commands: Iterable[Any]) -> None:
         """Write ``commands`` in one go (their replies arrive as pushes)."""
-        transport = self._transport
-        if transport is None or transport.is_closing() or self.failed:
+        writer = self._writer
+        if writer is None or writer.is_closing() or self.failed:
             raise RedisConnectionError("the subscriber connection is closed")
-        transport.write(b"".join(self.connection.pack_commands(commands)))
+        writer.writelines(self.connection.pack_commands(commands))
 
     async def barrier(self) -> None:
         """Return once Redis has handled every command sent so far.
@@ -132,16 +135,23 @@ class Subscriber:
 
     # --- reading ------------------------------------------------------------
 
-    def _received(self, data: bytes) -> None:
-        if self.failed:
-            return  # dropped: what was on its way is not delivered
-        self.last_seen = time.monotonic()
-        parser = self._parser
-        parser.feed(data)
+    async def _read(self) -> None:
+        assert self._stream is not None
+        read = self._stream.read
+        feed = self._parser.feed
+        gets = self._parser.gets
         try:
-            while (reply := parser.gets()) is not False:
-                self._reply(reply)
-        except Exception as exc:  # a reply Redis refused, or a callback's failure
+            while True:
+                data = await read(READ_SIZE)
+                if not data:
+                    raise RedisConnectionError("Redis closed the subscriber connection")
+                self.last_seen = time.monotonic()
+                feed(data)
+                while (reply := gets()) is not False:
+                    self._reply(reply)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
             self._fail(exc)
 
     def _reply(self, reply: Any) -> None:
@@ -196,23 +206,5 @@ class Subscriber:
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
-        if self._transport is not None:
-            self._transport.close()
-
-
-class _Pushes(asyncio.Protocol):
-    """The subscriber's side of its transport, once redis-py's handshake is done."""
-
-    def __init__(self, subscriber: Subscriber) -> None:
-        self._subscriber = subscriber
-
-    def data_received(self, data: bytes) -> None:
-        self._subscriber._received(data)
-
-    def eof_received(self) -> bool:
-        self._subscriber._fail(RedisConnectionError("Redis closed the subscriber connection"))
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        lost = exc or RedisConnectionError("the subscriber connection was lost")
-        self._subscriber._fail(lost)
+        if self._writer is not None:
+            self._writer.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -38,7 +38,7 @@ async def commands(fresh_redis: RedisServer) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-async def opened(url: str, pushes: Callable[[Push], None], *, keepalive: float = 5.0) -> Subscriber:
+async def opened(url: str, pushes: Pushes, *, keepalive: float = 5.0) -> Subscriber:
     subscriber = Subscriber(
         subscriber_connection(url, client_name="ap-sub:test"), pushes, keepalive=keepalive
     )
@@ -78,46 +78,6 @@ async def test_messages_are_held_until_release_then_delivered_in_order(
         await commands.publish("b", "live")
         await eventually(lambda: pushes.messages()[-1:] == [b"live"], 10)
         assert pushes.got[-1] == [b"message", b"b", b"live"]
-    finally:
-        await subscriber.close()
-
-
-async def test_a_message_is_handed_on_where_its_read_arrives_not_on_a_task(
-    fresh_redis: RedisServer, commands: aioredis.Redis
-) -> None:
-    tasks: list[asyncio.Task[object] | None] = []
-
-    def on_push(push: Push) -> None:
-        tasks.append(asyncio.current_task())
-
-    subscriber = await opened(fresh_redis.url, on_push)
-    try:
-        subscriber.send(("SUBSCRIBE", "a"))
-        await subscriber.barrier()
-        subscriber.release()
-        tasks.clear()
-        await commands.publish("a", "x")
-        await eventually(lambda: tasks, 10)
-        assert tasks == [None]  # the transport's data_received: no task woke for it
-    finally:
-        await subscriber.close()
-
-
-async def test_a_dropped_subscriber_hands_on_nothing_more(
-    fresh_redis: RedisServer, commands: aioredis.Redis
-) -> None:
-    pushes = Pushes()
-    subscriber = await opened(fresh_redis.url, pushes)
-    try:
-        subscriber.send(("SUBSCRIBE", "a"))
-        await subscriber.barrier()
-        subscriber.release()
-        subscriber.drop("a check found it silent")
-        await commands.publish("a", "after")
-        await asyncio.sleep(0.2)  # time for a message on its way; none may come
-        assert pushes.messages() == []
-        with pytest.raises(RedisConnectionError, match="found it silent"):
-            await subscriber.run()
     finally:
         await subscriber.close()
 
