@@ -15,7 +15,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import DataError, ResponseError
 
 from loadtest.harness.faults import TcpFaultProxy
 from server.bus.redis_streams import RedisStreams
@@ -75,6 +75,20 @@ async def test_one_callers_error_fails_that_caller_only(client: aioredis.Redis) 
     with pytest.raises(ResponseError):  # alone in its turn, the same
         await coalescer.run([([key, log], ["not a number"])])
     await coalescer.close()
+
+
+async def test_a_call_redis_cannot_take_fails_and_the_next_ones_run(
+    client: aioredis.Redis,
+) -> None:
+    coalescer = ScriptCoalescer(client, INCR_BY)
+    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+    try:
+        with pytest.raises(DataError):
+            await asyncio.wait_for(coalescer.run([([key, log], [None])]), HANG_GUARD_S)
+        assert await asyncio.wait_for(coalescer.run([([key, log], [5])]), HANG_GUARD_S) == [5]
+        assert await client.lrange(log, 0, -1) == [b"5"]
+    finally:
+        await coalescer.close()
 
 
 async def test_calls_run_again_after_the_script_cache_was_flushed(

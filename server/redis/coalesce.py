@@ -33,7 +33,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import DataError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from server.redis.pipe import STALL_TIMEOUT_S, Pipe
@@ -113,7 +113,12 @@ class ScriptCoalescer:
             if len(batch.outcomes) == expected:
                 self._answered(batch)
 
-        self._current().send(commands, [collect] * expected, now=True)
+        try:
+            self._current().send(commands, [collect] * expected, now=True)
+        except DataError as exc:
+            # An argument Redis cannot take (the callers' input is checked long
+            # before): nothing was sent, and the batch fails rather than hang.
+            self._done(batch, exc)
 
     def _answered(self, batch: _Batch) -> None:
         """Every command of the batch's last write has its outcome."""
