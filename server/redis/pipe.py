@@ -224,8 +224,8 @@ def _packer_for(connection: AbstractConnection) -> Callable[[tuple[Any, ...]], b
     """One command's bytes, as the connection's own ``pack_command`` makes them.
 
     hiredis's C packer where it encodes as the connection does (UTF-8, strict):
-    redis-py's packer runs a Python call per argument first, a third of a
-    node's CPU per append. Every argument is one bulk string (bytes, str, int,
+    redis-py's packer runs a Python call per argument first, about a third of
+    an append's CPU. Every argument is one bulk string (bytes, str, int,
     float); a bool, ``None`` or a string that does not encode is a ``DataError``.
     """
     encoder = connection.encoder
