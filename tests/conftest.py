@@ -211,6 +211,7 @@ SLOW = {
     "test_table_stream.py::test_a_first_start_begins_at_the_latest_record": 10,
     "test_bot_guide.py": 19,
     "test_browser_sdk.py::test_the_sdk_types_check": 15,
+    "test_browser_sdk.py::test_a_build_serves_every_run_until_a_source_changes": 35,
     "test_cli.py::test_a_bad_value_is_one_error_and_one_line_of_usage": 16,
     "test_cli.py::test_a_signal_during_start_up_stops_it_at_once_and_leaks_nothing": 13,
     "test_cli.py::test_log_format_json_writes_one_object_per_line_with_the_node_id": 10,
