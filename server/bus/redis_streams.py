@@ -32,7 +32,8 @@ appends and sets it.
 
 On one Redis the appends of concurrent callers go out together, one write per
 round trip on a connection of their own (:mod:`server.redis.coalesce`), still one
-script run per event.
+script run per event; so do the history reads, on another connection, so that a
+recovery storm's reads never wait behind the appends, nor they behind it.
 
 On a Redis Cluster (:meth:`RedisStreams.on_cluster`) the script runs on the
 shard of the stream's slot and publishes with ``SPUBLISH`` only on the
@@ -121,7 +122,7 @@ class RedisStreams:
             return
         self._client = make_client(url, retries=1) if client is None else client
         self._appends = ScriptCoalescer(self._client, APPEND)
-        self._read: Any = self._client.register_script(READ)
+        self._reads = ScriptCoalescer(self._client, READ)
 
     @classmethod
     def on_cluster(
@@ -139,6 +140,7 @@ class RedisStreams:
     async def close(self) -> None:
         if self._pipes is None:  # the bus closes its pipes
             await self._appends.close()
+            await self._reads.close()
             await self._client.aclose()
 
     def _append_args(
@@ -235,7 +237,8 @@ class RedisStreams:
         keys = [meta_key(stream), history_key(stream)]
         args = self._read_args(after)
         if self._pipes is None:
-            return _history(await self._read(keys, args))
+            (reply,) = await self._reads.run([(keys, args)])
+            return _history(reply)
         deadline = time.monotonic() + self._failover_deadline
         slot = key_slot(keys[0].encode())
         return _history(await self._pipes.script(slot, self._shard_read, keys, args, deadline))
@@ -249,12 +252,8 @@ class RedisStreams:
             # No pipeline spans slots: the reads go out at once, and each
             # primary's pipe sends those of its slots together.
             return list(await asyncio.gather(*(self.read(s, after) for s, after in asks)))
-        async with self._client.pipeline(transaction=False) as pipe:
-            for stream, after in asks:
-                keys = [meta_key(stream), history_key(stream)]
-                await self._read(keys, self._read_args(after), client=pipe)
-            replies = await pipe.execute()
-        return [_history(reply) for reply in replies]
+        calls = [([meta_key(s), history_key(s)], self._read_args(after)) for s, after in asks]
+        return [_history(reply) for reply in await self._reads.run(calls)]
 
 
 def _text(value: Any) -> str:

@@ -10,8 +10,8 @@ A read is never shared with one already sent: each asker must get the history
 as it is after it subscribed (the merge in ``protocol.streams`` relies on it).
 
 Asks queue here, where they wait as long as it takes (live events are buffered
-meanwhile), not in the Redis pool, whose waiters fail after its timeout and
-would turn a slow recovery into ``recovered: false``.
+meanwhile), not in a Redis connection pool, whose waiters fail after its timeout
+and would turn a slow recovery into ``recovered: false``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ READ_BATCH = 256
 """Most streams in one round trip: at the default history size (50) a full batch
 is a reply of a few MB at worst, and Redis runs it in a few ms."""
 BATCHES_IN_FLIGHT = 2
-"""Round trips out at once: one is read while the next is answered. Each holds
-one pool connection, leaving the rest for publishes and presence."""
+"""Batches asked for at once: one is decoded while the next is answered (on one
+Redis the next goes out as the reply to the one before arrives)."""
 DECODED_CACHE = 16384
 """Decoded events kept, least recently used out: a storm reads the same streams
 again and again, and an event's bytes at one position never change."""
