@@ -32,8 +32,8 @@ appends and sets it.
 
 On one Redis the appends of concurrent callers go out together, one write per
 round trip on a connection of their own (:mod:`server.redis.coalesce`), still one
-script run per event; so do the history reads, on another connection, so that a
-recovery storm's reads never wait behind the appends, nor they behind it.
+script run per event. So do the history reads, on a connection of their own: a
+recovery storm's reads and the appends never queue behind each other.
 
 On a Redis Cluster (:meth:`RedisStreams.on_cluster`) the script runs on the
 shard of the stream's slot and publishes with ``SPUBLISH`` only on the
