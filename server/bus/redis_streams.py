@@ -229,13 +229,14 @@ class RedisStreams:
         replies = await self._appends.run(calls)
         return [_position(reply, item.fence) for reply, item in zip(replies, items, strict=True)]
 
-    def _read_args(self, after: int) -> list[Any]:
+    def _read_call(self, stream: str, after: int) -> tuple[list[str], list[Any]]:
+        """The ``READ`` script's keys and arguments for one stream."""
         limits = self._limits
-        return [after, limits.history_size, new_epoch(), _ms(limits.meta_ttl)]
+        args = [after, limits.history_size, new_epoch(), _ms(limits.meta_ttl)]
+        return [meta_key(stream), history_key(stream)], args
 
     async def read(self, stream: str, after: int) -> HistoryRead[bytes]:
-        keys = [meta_key(stream), history_key(stream)]
-        args = self._read_args(after)
+        keys, args = self._read_call(stream, after)
         if self._pipes is None:
             (reply,) = await self._reads.run([(keys, args)])
             return _history(reply)
@@ -252,7 +253,7 @@ class RedisStreams:
             # No pipeline spans slots: the reads go out at once, and each
             # primary's pipe sends those of its slots together.
             return list(await asyncio.gather(*(self.read(s, after) for s, after in asks)))
-        calls = [([meta_key(s), history_key(s)], self._read_args(after)) for s, after in asks]
+        calls = [self._read_call(stream, after) for stream, after in asks]
         return [_history(reply) for reply in await self._reads.run(calls)]
 
 
