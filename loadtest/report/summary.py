@@ -6,10 +6,20 @@ Both the terminal summary (``loadtest.cli``) and the report's tables
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from loadtest.report.targets import format_value
+
+
+def print_benchmark(prog: str, argv: Sequence[str] | None, figures: dict[str, Any]) -> None:
+    """A stand-alone benchmark's output: the command that ran it, then its figures as JSON."""
+    given = sys.argv[1:] if argv is None else argv
+    print(" ".join([prog, *given]))
+    print(json.dumps(figures, indent=2))
 
 
 def _fmt(value: Any, digits: int = 3) -> str:

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from loadtest.harness.redis_cluster import start_redis_cluster
 from loadtest.harness.servers import start_redis
+from loadtest.report.summary import print_benchmark
 from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.redis_streams import RedisStreams
 from server.bus.topics import ALL_GAMES
@@ -92,9 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     results = asyncio.run(run(args.events, args.concurrency, args.rounds))
-    given = sys.argv[1:] if argv is None else argv
-    print(" ".join(["python -m loadtest.scenarios.cluster_append", *given]))
-    print(json.dumps(results, indent=2))
+    print_benchmark(parser.prog, argv, results)
     return 0
 
 

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from loadtest.harness.servers import start_redis
+from loadtest.report.summary import print_benchmark
 from server.bus.redis_streams import RedisStreams
 
 
@@ -88,9 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=_positive, default=3)
     args = parser.parse_args(argv)
     results = asyncio.run(run(args.streams, args.events, args.batches, args.rounds))
-    given = sys.argv[1:] if argv is None else argv
-    print(" ".join(["python -m loadtest.scenarios.history_read", *given]))
-    print(json.dumps(results, indent=2))
+    print_benchmark(parser.prog, argv, results)
     return 0
 
 

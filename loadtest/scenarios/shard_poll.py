@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import signal
 import statistics
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -33,6 +31,7 @@ from redis.asyncio.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
 
 from loadtest.harness.redis_cluster import RedisCluster, start_redis_cluster
+from loadtest.report.summary import print_benchmark
 from server.bus.redis_cluster_bus import RedisClusterBus
 from server.redis.client import make_cluster_client
 
@@ -186,11 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     results = asyncio.run(run(args.messages, args.poll_timeout))
-    command = "python -m loadtest.scenarios.shard_poll " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
-    print(command.strip())
-    print(json.dumps(results, indent=2))
+    print_benchmark(parser.prog, argv, results)
     return 0
 
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from loadtest.harness.servers import start_redis
+from loadtest.report.summary import print_benchmark
 from protocol.streams import StreamCursor
 from server.bus.redis_streams import RedisStreams
 from server.routing.stream_audit import AUDIT_BATCH, StreamAudit
@@ -108,9 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.streams < 1 or args.rounds < 1:
         parser.error("--streams and --rounds must be at least 1")
     results = asyncio.run(run(args.streams, args.rounds))
-    given = sys.argv[1:] if argv is None else argv
-    print(" ".join(["python -m loadtest.scenarios.stream_audit", *given]))
-    print(json.dumps(results, indent=2))
+    print_benchmark(parser.prog, argv, results)
     return 0
 
 
