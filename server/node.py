@@ -387,7 +387,13 @@ class Node:
             for m, item in pairs:
                 self.delivery.deliver_unpositioned(item.stream, m)
             return {}
-        return {i.stream: p for (m, i), p in zip(pairs, positions, strict=True) if m is message}
+        deliver = self.delivery.deliver_appended
+        answer: dict[str, Position] = {}
+        for (m, item), position in zip(pairs, positions, strict=True):
+            deliver(item.stream, position, m)
+            if m is message:
+                answer[item.stream] = position
+        return answer
 
 
 async def _stop_service(service: Service) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
 
+from protocol.envelope import encode_envelope, encode_positioned
 from protocol.errors import CloseCode
-from protocol.messages import Position
+from protocol.messages import Broadcast, Position
+from protocol.parse import parse_broadcast
 from server.routing import recovery as recovery_module
 from tests.client import Client
 from tests.conftest import RunningServer
@@ -418,3 +421,45 @@ async def test_publish_to_users_validates(
     assert got == status, reply
     if status == 202:
         assert isinstance(reply, dict) and len(reply["positions"]) == 1000
+
+
+async def test_an_append_answer_is_delivered_only_as_the_next_event_and_once(
+    server: RunningServer,
+) -> None:
+    """A cluster node's own append may answer before the bus brings its copy, or
+    before another node's earlier event. Played here by hand on the embedded node
+    (whose bus has delivered by the time an append answers): the answer is
+    delivered at once only as the stream's very next event, and the copy that
+    follows is dropped."""
+    watcher = await server.subscribed("alice", games=[("chess", "g1")], since={})
+    plain = await server.subscribed("bob", games=[("chess", "g1")])
+    epoch = await publish_moves(server, 1, 1)
+    await watcher.wait_for(lambda: watcher.offsets(CHESS) == [1])
+    delivery = server.node.delivery
+    at_append = "ap_stream_delivered_at_append_total"
+
+    def message(n: int) -> Broadcast:
+        return parse_broadcast(json.dumps(move(n)))
+
+    def from_bus(n: int) -> None:
+        data = encode_positioned(epoch, n, encode_envelope(message(n)))
+        delivery.on_bus_message(CHESS, data)
+
+    # 3 answers while 2, another node's, is still on the bus: 3 waits for the bus.
+    delivery.deliver_appended(CHESS, Position(epoch, 3), message(3))
+    assert server.node.metrics.value(at_append) == 0
+    from_bus(2)
+    from_bus(3)
+    # 4 answers before its copy: delivered now, the copy dropped.
+    delivery.deliver_appended(CHESS, Position(epoch, 4), message(4))
+    assert server.node.metrics.value(at_append) == 1
+    from_bus(4)
+    # A repeat's answer (an earlier position), and a new epoch, are the bus's to tell.
+    delivery.deliver_appended(CHESS, Position(epoch, 2), message(2))
+    delivery.deliver_appended(CHESS, Position("other", 5), message(5))
+    assert server.node.metrics.value(at_append) == 1
+    for client in (watcher, plain):
+        await client.barrier()
+        assert [m["payload"]["n"] for m in client.of_verb("game")] == [1, 2, 3, 4]
+    assert watcher.offsets(CHESS) == [1, 2, 3, 4]
+    assert watcher.recovered(CHESS) == []

@@ -1,6 +1,8 @@
 """From the bus to sockets: each stream's events in order, with holes repaired.
 
 Every envelope this node hears comes in through :meth:`StreamDelivery.on_bus_message`.
+The node's own appends may be delivered a hop sooner, as their positions come back
+(:meth:`StreamDelivery.deliver_appended`); the bus's copy then finds them delivered.
 A positioned event is checked against the node's cursor for its stream: the
 next one is delivered at once; one beyond the next starts a repair, which
 reads the hole from history and then delivers what arrived meanwhile, in
@@ -29,6 +31,7 @@ from protocol.messages import (
     AdminTest,
     Broadcast,
     GameEvent,
+    Position,
     Positioned,
     PresenceDelta,
     Recovered,
@@ -73,6 +76,10 @@ class DeliveryCounters:
         self.stream_repaired = counter(
             "ap_stream_repaired_events_total",
             "Events this node missed live and delivered from history",
+        )
+        self.delivered_at_append = counter(
+            "ap_stream_delivered_at_append_total",
+            "This node's own events delivered as their append answered, before the bus's copy",
         )
 
 
@@ -123,6 +130,13 @@ class StreamDelivery:
         try:
             if is_positioned(data):
                 positioned = decode_positioned(data)
+                cursor = self.cursors.get(topic)
+                if (
+                    cursor is not None
+                    and cursor.epoch == positioned.epoch
+                    and positioned.offset <= cursor.offset
+                ):
+                    return  # delivered already (mostly: this node's own, at its append)
                 envelope = decode_envelope(positioned.data)
                 if isinstance(envelope, Broadcast):
                     self._on_stream_event(topic, positioned, envelope)
@@ -149,6 +163,24 @@ class StreamDelivery:
             recipients = [*recipients, *_not_excluded(legacy, message.exclude)]
         if recipients:
             send_frame(recipients, Frame(event), self._outbox_limit)
+
+    def deliver_appended(self, stream: str, position: Position, message: Broadcast) -> None:
+        """This node appended ``message`` and Redis answered its position: deliver it
+        now when it is the very next event of a stream this node tracks, rather than
+        when the bus's copy arrives (a read later). Anything else is left to the bus,
+        which brings a stream's events in order: an earlier event of another node may
+        still be on its way, and a new epoch or a repair goes through history."""
+        cursor = self.cursors.get(stream)
+        if (
+            cursor is None
+            or cursor.epoch != position.epoch
+            or position.offset != cursor.offset + 1
+            or stream in self._repairing
+        ):
+            return
+        cursor.advance(position.epoch, position.offset)
+        self._counts.delivered_at_append.inc()
+        self._deliver(stream, position.epoch, position.offset, message)
 
     def check_streams(self) -> None:
         """The bus reconnected: events of any held stream may have been lost

@@ -161,6 +161,33 @@ async def test_redis_restart_without_data_gives_a_new_epoch_then_live_goes_on(
         assert [m["payload"]["n"] for m in after][-3:] == ["after-4", "after-5", "after-6"]
 
 
+@BOTH_REDIS
+async def test_own_events_are_delivered_as_their_appends_answer_once_and_in_order(
+    cluster: Cluster,
+) -> None:
+    """A node delivers its own events when Redis answers their positions, a bus read
+    before their copies come back; the copies are dropped, and another node's events
+    in between keep their places."""
+    watcher = await watcher_on(cluster, "n1", "alice")
+    plain = await cluster.client("n1", "bob", games=GAMES)
+    await plain.barrier()
+    total = 60
+    for n in range(1, total + 1):
+        await publish_move(cluster, "n2" if n % 10 == 1 else "n1", n)
+    for client in (watcher, plain):
+        await client.wait_for(
+            lambda c=client: len(c.of_verb("game")) >= total,  # type: ignore[misc]
+            5 + SLACK,
+        )
+        await client.barrier()
+        assert [m["payload"]["n"] for m in client.of_verb("game")] == list(range(1, total + 1))
+    assert_exact(watcher, 1, total)
+    at_append = await cluster.metric("n1", "ap_stream_delivered_at_append_total")
+    print(f"n1 delivered {at_append:g} of its {total - 6} own events as their appends answered")
+    assert 0 < at_append <= total - 6
+    assert await cluster.metric("n2", "ap_stream_delivered_at_append_total") == 0
+
+
 async def test_a_dropped_bus_connection_leaves_no_gap(cluster: Cluster) -> None:
     victim = await watcher_on(cluster, "n2", "victim")
     plain = await cluster.client("n2", "plain", games=GAMES)
