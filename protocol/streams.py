@@ -255,6 +255,15 @@ class StreamCursor:
         self.epoch = epoch
         self.offset = offset
 
+    def take_next(self, epoch: str, offset: int) -> bool:
+        """Move to ``(epoch, offset)`` if it is the very next event of this cursor's
+        epoch; whether it moved. Unlike :meth:`step`, a cursor that has delivered
+        nothing knows no next event, so it declines."""
+        if epoch != self.epoch or offset != self.offset + 1:
+            return False
+        self.offset = offset
+        return True
+
     def receive(self, epoch: str, offset: int, *, repairing: bool) -> Arrival:
         """Decide one live event, and move to it when it is to be delivered.
 

@@ -169,6 +169,22 @@ def test_receive_moves_the_cursor_only_to_what_it_delivers_and_reports_every_los
             heard = (epoch, offset)
 
 
+@given(
+    st.one_of(st.none(), st.sampled_from(["a", "b"])),
+    st.integers(0, 10),
+    st.sampled_from(["a", "b"]),
+    st.integers(1, 12),
+)
+def test_take_next_moves_only_to_the_next_event_of_the_cursors_own_epoch(
+    at_epoch: str | None, at_offset: int, epoch: str, offset: int
+) -> None:
+    cursor = StreamCursor(at_epoch, at_offset)
+    step = StreamCursor(at_epoch, at_offset).step(epoch, offset)
+    moved = cursor.take_next(epoch, offset)
+    assert moved is (at_epoch is not None and step is Step.DELIVER)
+    assert (cursor.epoch, cursor.offset) == ((epoch, offset) if moved else (at_epoch, at_offset))
+
+
 def test_receive_on_plain_values() -> None:
     cursor = StreamCursor()
     assert cursor.receive("e1", 7, repairing=False) == Arrival(Step.DELIVER, True)

@@ -133,8 +133,7 @@ class StreamDelivery:
                 cursor = self.cursors.get(topic)
                 if (
                     cursor is not None
-                    and cursor.epoch == positioned.epoch
-                    and positioned.offset <= cursor.offset
+                    and cursor.step(positioned.epoch, positioned.offset) is Step.DUPLICATE
                 ):
                     return  # delivered already (mostly: this node's own, at its append)
                 envelope = decode_envelope(positioned.data)
@@ -173,12 +172,10 @@ class StreamDelivery:
         cursor = self.cursors.get(stream)
         if (
             cursor is None
-            or cursor.epoch != position.epoch
-            or position.offset != cursor.offset + 1
             or stream in self._repairing
+            or not cursor.take_next(position.epoch, position.offset)
         ):
             return
-        cursor.advance(position.epoch, position.offset)
         self._counts.delivered_at_append.inc()
         self._deliver(stream, position.epoch, position.offset, message)
 
