@@ -91,6 +91,29 @@ async def test_a_call_redis_cannot_take_fails_and_the_next_ones_run(
         await coalescer.close()
 
 
+async def test_a_call_redis_cannot_take_fails_only_its_caller_among_others(
+    client: aioredis.Redis,
+) -> None:
+    coalescer = ScriptCoalescer(client, INCR_BY)
+    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(  # issued in one turn: one write
+                coalescer.run([([key, log], [1]), ([key, log], [2])]),
+                coalescer.run([([key, log], [3]), ([key, log], [None])]),
+                coalescer.run([([key, log], [4])]),
+                return_exceptions=True,
+            ),
+            HANG_GUARD_S,
+        )
+        assert results[0] == [1, 3] and results[2] == [7]
+        assert isinstance(results[1], DataError)
+        # None of the refused caller's calls ran, not even its sendable first one.
+        assert await client.lrange(log, 0, -1) == [b"1", b"2", b"4"]
+    finally:
+        await coalescer.close()
+
+
 async def test_calls_run_again_after_the_script_cache_was_flushed(
     client: aioredis.Redis,
 ) -> None:

@@ -18,7 +18,9 @@ object and pool cost more CPU per call than the calls do).
   ``EVALSHA`` on the new one. ``NOSCRIPT`` then means the cache was flushed
   under a live connection: none of those calls ran, and they are sent again as
   ``EVAL``.
-- **Failures.** A call's error goes to its own caller. A lost or stalled
+- **Failures.** A call's error goes to its own caller, and so does an argument
+  Redis cannot take (nothing of that write is sent; the other callers' calls go
+  in the next one, in their order). A lost or stalled
   connection fails what was outstanding on it; the unanswered calls are sent
   once more, in order, on a new connection. Some may have run already: every
   append names its event, so a resent one runs once
@@ -117,8 +119,30 @@ class ScriptCoalescer:
             self._current().send(commands, [collect] * expected, now=True)
         except DataError as exc:
             # An argument Redis cannot take (the callers' input is checked long
-            # before): nothing was sent, and the batch fails rather than hang.
-            self._done(batch, exc)
+            # before): nothing was sent. Its caller fails, and only its caller.
+            self._drop_unsendable(batch, exc)
+
+    def _drop_unsendable(self, batch: _Batch, error: DataError) -> None:
+        """Fail the callers with a call that cannot be sent, each with its own
+        error; the others go again, first in the queue and in their order."""
+        if batch.losses or batch.uncached:
+            # A resend: it packed before, and some of its calls may have run.
+            return self._done(batch, error)
+        pipe = self._current()
+        sendable: list[Queued] = []
+        for calls, future in batch.callers:
+            try:
+                for keys, args in calls:
+                    pipe.check(("EVALSHA", self._script.sha, len(keys), *keys, *args))
+            except DataError as exc:
+                _fail([(calls, future)], exc)
+            else:
+                sendable.append((calls, future))
+        if len(sendable) == len(batch.callers):
+            return self._done(batch, error)  # no caller to blame: never loop
+        self._in_flight = None
+        self._queue[:0] = sendable
+        self._send_queued()
 
     def _answered(self, batch: _Batch) -> None:
         """Every command of the batch's last write has its outcome."""

@@ -76,6 +76,10 @@ class Pipe:
         self.send(commands, [_settler(future) for future in futures])
         return futures
 
+    def check(self, command: tuple[Any, ...]) -> None:
+        """Raise the ``DataError`` that :meth:`send` would for ``command``."""
+        self._pack(command)
+
     def send(
         self, commands: Sequence[tuple[Any, ...]], sinks: Sequence[Sink], *, now: bool = False
     ) -> None:
