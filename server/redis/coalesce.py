@@ -103,10 +103,7 @@ class ScriptCoalescer:
         commands = []
         for index in batch.unanswered:
             keys, args = batch.calls[index]
-            if index in batch.uncached:
-                commands.append(("EVAL", script.source, len(keys), *keys, *args))
-            else:
-                commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
+            commands.append(script.command(keys, args, cached=index not in batch.uncached))
         batch.outcomes = []
         expected = len(commands)
 
@@ -133,7 +130,7 @@ class ScriptCoalescer:
         for calls, future in batch.callers:
             try:
                 for keys, args in calls:
-                    pipe.check(("EVALSHA", self._script.sha, len(keys), *keys, *args))
+                    pipe.check(self._script.command(keys, args))
             except DataError as exc:
                 _fail([(calls, future)], exc)
             else:

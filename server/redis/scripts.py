@@ -26,6 +26,15 @@ class Script:
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
+    def command(
+        self, keys: Sequence[Any], args: Sequence[Any], *, cached: bool = True
+    ) -> tuple[Any, ...]:
+        """The command that runs it: ``EVALSHA`` by its SHA1, or ``EVAL`` with its
+        source where the server may lack it (which also caches it there)."""
+        if cached:
+            return ("EVALSHA", self.sha, len(keys), *keys, *args)
+        return ("EVAL", self.source, len(keys), *keys, *args)
+
 
 class ShardScript(Script):
     """A Lua script on a Redis Cluster: ``EVALSHA``, and ``EVAL`` when the shard lacks it.

@@ -177,11 +177,9 @@ class ShardPipes:
     ) -> Any:
         """``EVALSHA``, and ``EVAL`` when that primary lacks the script (see ``ShardScript``)."""
         try:
-            command = ("EVALSHA", script.sha, len(keys), *keys, *args)
-            return await self.execute(slot, command, deadline)
+            return await self.execute(slot, script.command(keys, args), deadline)
         except NoScriptError:
-            command = ("EVAL", script.source, len(keys), *keys, *args)
-            return await self.execute(slot, command, deadline)
+            return await self.execute(slot, script.command(keys, args, cached=False), deadline)
 
     async def send_once(self, slot: int, commands: list[tuple[Any, ...]]) -> list[bool]:
         """Send ``commands`` back to back to the primary of ``slot``; which succeeded."""
