@@ -17,6 +17,7 @@ from server.presence.core import MemoryPresenceBackend, PresenceWriter, delta_of
 from server.store.memory import MemoryStore
 from tests.client import Client
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
+from tests.waiting import eventually
 
 DEBOUNCE = TEST_SETTINGS.presence_debounce
 
@@ -321,3 +322,21 @@ async def test_a_leave_waits_a_whole_window_so_a_quick_return_is_no_flap() -> No
         await asyncio.wait_for(_until(lambda: left("alice")), 10)
     finally:
         await writer.close()
+
+
+async def test_a_reconnect_that_lost_nothing_sends_no_snapshot(server: RunningServer) -> None:
+    alice = await server.subscribed("alice")
+    await alice.wait_for(lambda: alice.presence.visible == {"alice"})
+    snapshots = alice.presence.snapshots
+    metrics = server.node.metrics
+    reloads = metrics.value("ap_presence_view_reloads_total")
+    current = metrics.value("ap_presence_reloads_current_total")
+    server.node.presence.resync()  # what a bus reconnect runs
+    await eventually(
+        lambda: metrics.value("ap_presence_view_reloads_total") > reloads, 10, "the reload"
+    )
+    assert metrics.value("ap_presence_reloads_current_total") == current + 1
+    # A snapshot would have left in the reload's turn, before this answer.
+    await alice.barrier()
+    assert alice.presence.snapshots == snapshots
+    assert alice.presence.visible == {"alice"} and alice.presence.gaps == 0

@@ -174,3 +174,43 @@ async def test_a_delta_dropped_after_a_failed_reload_is_still_found(
     backend.reloads_fail = False
     await eventually(at_seq(presence, 5), WITHIN, "the view reloaded")
     assert presence.view.visible == {"alice", "bob"}
+
+
+def reloads(metrics: Registry) -> tuple[float, float]:
+    """(view reloads, reloads that found the view current and sent no snapshot)."""
+    return (
+        metrics.value("ap_presence_view_reloads_total"),
+        metrics.value("ap_presence_reloads_current_total"),
+    )
+
+
+async def test_the_resync_after_a_lost_delta_sends_its_watchers_no_second_snapshot(
+    running: tuple[NodePresence, CommittedElsewhere, Registry, list[str]],
+) -> None:
+    presence, backend, metrics, rechecks = running
+    # As on Redis: the recheck reconnects the bus, whose callbacks resync presence.
+    presence.on_lost_delta(presence.resync)
+    before, current = reloads(metrics)
+    backend.state = CommittedPresence(seq=4, users={"alice": True, "bob": True})
+    await eventually(lambda: reloads(metrics)[0] == before + 2, WITHIN, "both reloads")
+    # The check's reload took seq 4 and snapshotted it; the resync's found it current.
+    assert reloads(metrics)[1] == current + 1
+    assert presence.view.seq == 4 and presence.view.visible == {"alice", "bob"}
+    assert rechecks == ["recheck"]
+
+
+async def test_a_resync_that_finds_a_change_sends_the_snapshot(
+    running: tuple[NodePresence, CommittedElsewhere, Registry, list[str]],
+) -> None:
+    presence, backend, metrics, _rechecks = running
+    before, current = reloads(metrics)
+    presence.resync()
+    await eventually(lambda: reloads(metrics)[0] == before + 1, WITHIN, "the first reload")
+    assert reloads(metrics)[1] == current + 1  # nothing changed since the start
+    # A change whose delta this node missed while its bus was away.
+    backend.state = CommittedPresence(seq=4, users={"alice": True, "bob": False})
+    presence.resync()
+    await eventually(lambda: reloads(metrics)[0] == before + 2, WITHIN, "the second reload")
+    assert reloads(metrics)[1] == current + 1
+    assert presence.view.seq == 4 and presence.view.total == 2
+    assert presence.view.visible == {"alice"}

@@ -230,11 +230,18 @@ class PresenceView:
         self.total = 0
         self._snapshot: Frame | None = None
 
-    def reset(self, committed: CommittedPresence) -> None:
+    def reset(self, committed: CommittedPresence) -> bool:
+        """Take ``committed`` as the view; False when it is the state the view
+        already had (same seq, same users), so nothing changed for its watchers."""
+        visible = {user_id for user_id, visible in committed.users.items() if visible}
+        total = len(committed.users)
+        if committed.seq == self.seq and total == self.total and visible == self.visible:
+            return False
         self.seq = committed.seq
-        self.visible = {user_id for user_id, visible in committed.users.items() if visible}
-        self.total = len(committed.users)
+        self.visible = visible
+        self.total = total
         self._snapshot = None
+        return True
 
     def apply(self, delta: PresenceDelta) -> None:
         """Apply the next delta; the caller checks ``delta.seq == self.seq + 1``."""

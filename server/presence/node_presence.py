@@ -4,7 +4,8 @@
   through a coalescing flusher: a burst of changes is one report.
 - The committed deltas it hears on the bus are applied to its view in seq
   order and sent to its presence watchers; a gap reloads the view, and so does
-  a bus reconnect, which also sends every watcher a fresh snapshot.
+  a bus reconnect, which also sends every watcher a fresh snapshot when the
+  reload changed the view (one the watchers already hold is not sent again).
 - Its view's seq is compared with the committed one every few seconds: pub/sub
   may lose a delta unnoticed, and a gap shows only when a later delta arrives,
   so the last one before a quiet spell could stay lost for good.
@@ -79,6 +80,11 @@ class NodePresence:
         self.writer = PresenceWriter(backend, store, settings.presence_debounce, metrics=metrics)
         self._reloads = metrics.counter(
             "ap_presence_view_reloads_total", "Times a node reloaded committed presence after a gap"
+        )
+        self._reloads_current = metrics.counter(
+            "ap_presence_reloads_current_total",
+            "Reloads after a reconnect or a lost delta that found the view already current"
+            " (no snapshot sent)",
         )
         self._lost_deltas = metrics.counter(
             "ap_presence_lost_deltas_total",
@@ -221,8 +227,9 @@ class NodePresence:
         self.writer.hint(user_ids, changed_at)
 
     def resync(self) -> None:
-        """The bus reconnected and may have lost messages: reload the view and
-        send every presence watcher a fresh snapshot; the writer looks at everyone."""
+        """The bus reconnected and may have lost messages: reload the view and, if
+        it changed, send every presence watcher a fresh snapshot; the writer looks
+        at everyone."""
         self._deltas.put_nowait(None)
         self.writer.reconcile()
 
@@ -292,10 +299,17 @@ class NodePresence:
         retrying = RELOAD_BACKOFF.start()
         while True:
             try:
-                self.view.reset(await self._backend.committed())
+                changed = self.view.reset(await self._backend.committed())
                 break
             except Exception as exc:
                 if not await retrying.wait():
                     log.warning("presence reload after a bus reconnect failed: %s", exc)
                     return
+        if not changed:
+            # The watchers were sent every change the view took, so they hold this
+            # state already: a snapshot of every online user to each of them (a
+            # burst of users x watchers bytes) would tell them nothing. A watcher
+            # that saw a gap asks with syncPresence.
+            self._reloads_current.inc()
+            return
         send_frame(self._watchers, self.view.snapshot_frame(), self._outbox_limit)
