@@ -143,24 +143,56 @@ async def test_seq_is_gap_free_and_increasing_under_churn(server: RunningServer)
     assert observers[0].presence.seq == await server.node.store.current_presence_seq()
 
 
-async def test_a_lost_delta_makes_the_node_reload_and_the_client_resync(
+async def test_a_delta_the_node_missed_reaches_its_clients_as_one_snapshot(
     server: RunningServer,
 ) -> None:
     alice = await server.subscribed("alice")
     await alice.wait_for(lambda: alice.presence.visible == {"alice"})
+    await settle(alice)
+    seq = alice.presence.seq
+    assert seq is not None
+    snapshots = alice.presence.snapshots
+    backend, bus = server.node.presence_backend, server.node.bus
+    # Committed while the node's subscription hears nothing: it next hears seq+2.
+    await bus.unsubscribe([PRESENCE])
+    await backend.commit(
+        PresenceDelta(seq=seq + 1, joins=("bob",), leaves=(), total_count=2), {"bob": True}
+    )
+    await bus.subscribe([PRESENCE])
+    await backend.commit(
+        PresenceDelta(seq=seq + 2, joins=("carol",), leaves=(), total_count=3), {"carol": True}
+    )
+    await alice.wait_for(lambda: alice.presence.snapshots > snapshots)
+    # The node reloaded and sent the committed state itself: its client saw no gap.
+    assert alice.presence.seq == seq + 2
+    assert alice.presence.visible == {"alice", "bob", "carol"}
+    assert alice.presence.gaps == 0
+    assert alice.presence.snapshots == snapshots + 1
+
+
+async def test_a_delta_ahead_of_the_committed_state_is_not_passed_on(
+    server: RunningServer,
+) -> None:
+    alice = await server.subscribed("alice")
+    await alice.wait_for(lambda: alice.presence.visible == {"alice"})
+    await settle(alice)
     assert alice.presence.seq is not None
     snapshots = alice.presence.snapshots
-    # The bus loses delta seq+1: the node and its clients next hear of seq+2.
+    reloads = server.node.metrics.value("ap_presence_view_reloads_total")
+    # A delta nobody committed reaches the node as if seq+1 had been lost.
     seq = alice.presence.seq
-    skipped = PresenceDelta(seq=seq + 2, joins=("ghost",), leaves=(), total_count=2)
-    await server.node.bus.publish(PRESENCE, encode_envelope(skipped))
-    await alice.wait_for(lambda: alice.presence.gaps == 1)
-    await alice.wait_for(lambda: alice.presence.snapshots > snapshots)
-    # The node reloaded the committed state, so the resync shows the truth.
-    assert alice.presence.seq == seq and alice.presence.visible == {"alice"}
+    ghost = PresenceDelta(seq=seq + 2, joins=("ghost",), leaves=(), total_count=2)
+    await server.node.bus.publish(PRESENCE, encode_envelope(ghost))
+    await eventually(
+        lambda: server.node.metrics.value("ap_presence_view_reloads_total") > reloads,
+        10,
+        "the node's reload",
+    )
+    # The reload found the committed state the client holds: nothing to send.
     await server.subscribed("bob")
     await alice.wait_for(lambda: alice.presence.visible == {"alice", "bob"})
-    assert alice.presence.gaps == 1
+    assert alice.presence.deltas[-1] == seq + 1
+    assert alice.presence.gaps == 0 and alice.presence.snapshots == snapshots
 
 
 async def test_seq_is_persisted_and_never_goes_back_after_a_restart() -> None:

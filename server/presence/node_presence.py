@@ -3,9 +3,10 @@
 - Its users' transitions (first tab, last tab, visibility) go to the cluster
   through a coalescing flusher: a burst of changes is one report.
 - The committed deltas it hears on the bus are applied to its view in seq
-  order and sent to its presence watchers; a gap reloads the view, and so does
-  a bus reconnect, which also sends every watcher a fresh snapshot when the
-  reload changed the view (one the watchers already hold is not sent again).
+  order and sent to its presence watchers, never with a gap: a gap reloads the
+  view, and so does a bus reconnect, and either sends every watcher a fresh
+  snapshot when the reload changed the view (one the watchers already hold is
+  not sent again).
 - Its view's seq is compared with the committed one every few seconds: pub/sub
   may lose a delta unnoticed, and a gap shows only when a later delta arrives,
   so the last one before a quiet spell could stay lost for good.
@@ -246,20 +247,28 @@ class NodePresence:
                 self._heard_seq = self.view.seq
 
     async def _apply_heard(self, delta: PresenceDelta) -> None:
-        if delta.seq != self.view.seq + 1:
-            # A gap in what this node heard: read the committed state again.
-            # Clients see the gap too and repair it with syncPresence.
-            self._reloads.inc()
-            log.warning("presence gap at node: have %d, got %d", self.view.seq, delta.seq)
-            try:
-                self.view.reset(await self._backend.committed())
-            except Exception as exc:
-                log.warning("presence reload failed: %s", exc)
-            if delta.seq == self.view.seq + 1:
-                self.view.apply(delta)
-        else:
+        if delta.seq == self.view.seq + 1:
             self.view.apply(delta)
-        send_frame(self._watchers, Frame(delta), self._outbox_limit)
+            send_frame(self._watchers, Frame(delta), self._outbox_limit)
+            return
+        # A gap in what this node heard: read the committed state again, and give
+        # the watchers that state as one snapshot. Passing the delta on would show
+        # each of them the gap, and each would ask for the same snapshot with
+        # syncPresence (a round trip, and up to a second of its rate limit).
+        self._reloads.inc()
+        log.warning("presence gap at node: have %d, got %d", self.view.seq, delta.seq)
+        try:
+            changed = self.view.reset(await self._backend.committed())
+        except Exception as exc:
+            # The view and its watchers stay where they were, gap-free; the next
+            # delta, or the view check, reloads again.
+            log.warning("presence reload failed: %s", exc)
+            return
+        if delta.seq == self.view.seq + 1:  # the committed state was read before it
+            self.view.apply(delta)
+            changed = True
+        if changed:
+            send_frame(self._watchers, self.view.snapshot_frame(), self._outbox_limit)
 
     async def _check_view(self) -> None:
         behind_at: int | None = None  # committed seq the view lacked at the last check
