@@ -178,17 +178,20 @@ async def test_a_delta_ahead_of_the_committed_state_is_not_passed_on(
     await settle(alice)
     assert alice.presence.seq is not None
     snapshots = alice.presence.snapshots
-    reloads = server.node.metrics.value("ap_presence_view_reloads_total")
+    metrics = server.node.metrics
+    reloads = metrics.value("ap_presence_view_reloads_total")
+    current = metrics.value("ap_presence_reloads_current_total")
     # A delta nobody committed reaches the node as if seq+1 had been lost.
     seq = alice.presence.seq
     ghost = PresenceDelta(seq=seq + 2, joins=("ghost",), leaves=(), total_count=2)
     await server.node.bus.publish(PRESENCE, encode_envelope(ghost))
+    # The reload finds the committed state the client holds: nothing to send.
     await eventually(
-        lambda: server.node.metrics.value("ap_presence_view_reloads_total") > reloads,
+        lambda: metrics.value("ap_presence_reloads_current_total") > current,
         10,
-        "the node's reload",
+        "a reload that found the view current",
     )
-    # The reload found the committed state the client holds: nothing to send.
+    assert metrics.value("ap_presence_view_reloads_total") == reloads + 1
     await server.subscribed("bob")
     await alice.wait_for(lambda: alice.presence.visible == {"alice", "bob"})
     assert alice.presence.deltas[-1] == seq + 1
@@ -365,9 +368,11 @@ async def test_a_reconnect_that_lost_nothing_sends_no_snapshot(server: RunningSe
     current = metrics.value("ap_presence_reloads_current_total")
     server.node.presence.resync()  # what a bus reconnect runs
     await eventually(
-        lambda: metrics.value("ap_presence_view_reloads_total") > reloads, 10, "the reload"
+        lambda: metrics.value("ap_presence_reloads_current_total") > current,
+        10,
+        "a reload that found the view current",
     )
-    assert metrics.value("ap_presence_reloads_current_total") == current + 1
+    assert metrics.value("ap_presence_view_reloads_total") == reloads + 1
     # A snapshot would have left in the reload's turn, before this answer.
     await alice.barrier()
     assert alice.presence.snapshots == snapshots

@@ -84,8 +84,7 @@ class NodePresence:
         )
         self._reloads_current = metrics.counter(
             "ap_presence_reloads_current_total",
-            "Reloads after a reconnect or a lost delta that found the view already current"
-            " (no snapshot sent)",
+            "View reloads that found the view already current (no snapshot sent)",
         )
         self._lost_deltas = metrics.counter(
             "ap_presence_lost_deltas_total",
@@ -269,6 +268,8 @@ class NodePresence:
             changed = True
         if changed:
             send_frame(self._watchers, self.view.snapshot_frame(), self._outbox_limit)
+        else:
+            self._reloads_current.inc()
 
     async def _check_view(self) -> None:
         behind_at: int | None = None  # committed seq the view lacked at the last check
