@@ -266,10 +266,7 @@ class NodePresence:
         if delta.seq == self.view.seq + 1:  # the committed state was read before it
             self.view.apply(delta)
             changed = True
-        if changed:
-            send_frame(self._watchers, self.view.snapshot_frame(), self._outbox_limit)
-        else:
-            self._reloads_current.inc()
+        self._snapshot_if_changed(changed)
 
     async def _check_view(self) -> None:
         behind_at: int | None = None  # committed seq the view lacked at the last check
@@ -315,11 +312,15 @@ class NodePresence:
                 if not await retrying.wait():
                     log.warning("presence reload after a bus reconnect failed: %s", exc)
                     return
-        if not changed:
-            # The watchers were sent every change the view took, so they hold this
-            # state already: a snapshot of every online user to each of them (a
-            # burst of users x watchers bytes) would tell them nothing. A watcher
-            # that saw a gap asks with syncPresence.
+        self._snapshot_if_changed(changed)
+
+    def _snapshot_if_changed(self, changed: bool) -> None:
+        """After a reload: the view's snapshot to every watcher, unless the reload
+        changed nothing. The watchers were sent every change the view took, so
+        they hold that state already, and a snapshot of every online user to each
+        of them (a burst of users x watchers bytes) would tell them nothing. A
+        watcher that saw a gap asks with syncPresence."""
+        if changed:
+            send_frame(self._watchers, self.view.snapshot_frame(), self._outbox_limit)
+        else:
             self._reloads_current.inc()
-            return
-        send_frame(self._watchers, self.view.snapshot_frame(), self._outbox_limit)
