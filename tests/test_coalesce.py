@@ -46,6 +46,20 @@ async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
+@pytest.fixture
+async def coalescer(client: aioredis.Redis) -> AsyncIterator[ScriptCoalescer]:
+    coalescer = ScriptCoalescer(client, INCR_BY)
+    try:
+        yield coalescer
+    finally:
+        await coalescer.close()
+
+
+def fresh_keys() -> tuple[str, str]:
+    """INCR_BY's counter and log, new to this Redis."""
+    return f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+
+
 async def test_calls_issued_at_once_run_in_issue_order(redis_url: str) -> None:
     streams = RedisStreams(redis_url)
     stream = f"game:coalesce#{uuid.uuid4().hex[:8]}"
@@ -60,9 +74,10 @@ async def test_calls_issued_at_once_run_in_issue_order(redis_url: str) -> None:
         await streams.close()
 
 
-async def test_one_callers_error_fails_that_caller_only(client: aioredis.Redis) -> None:
-    coalescer = ScriptCoalescer(client, INCR_BY)
-    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+async def test_one_callers_error_fails_that_caller_only(
+    client: aioredis.Redis, coalescer: ScriptCoalescer
+) -> None:
+    key, log = fresh_keys()
     results = await asyncio.gather(
         coalescer.run([([key, log], [1]), ([key, log], [2])]),
         coalescer.run([([key, log], ["not a number"])]),
@@ -74,51 +89,41 @@ async def test_one_callers_error_fails_that_caller_only(client: aioredis.Redis) 
     assert await client.lrange(log, 0, -1) == [b"1", b"2", b"4"]
     with pytest.raises(ResponseError):  # alone in its turn, the same
         await coalescer.run([([key, log], ["not a number"])])
-    await coalescer.close()
 
 
 async def test_a_call_redis_cannot_take_fails_and_the_next_ones_run(
-    client: aioredis.Redis,
+    client: aioredis.Redis, coalescer: ScriptCoalescer
 ) -> None:
-    coalescer = ScriptCoalescer(client, INCR_BY)
-    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
-    try:
-        with pytest.raises(DataError):
-            await asyncio.wait_for(coalescer.run([([key, log], [None])]), HANG_GUARD_S)
-        assert await asyncio.wait_for(coalescer.run([([key, log], [5])]), HANG_GUARD_S) == [5]
-        assert await client.lrange(log, 0, -1) == [b"5"]
-    finally:
-        await coalescer.close()
+    key, log = fresh_keys()
+    with pytest.raises(DataError):
+        await asyncio.wait_for(coalescer.run([([key, log], [None])]), HANG_GUARD_S)
+    assert await asyncio.wait_for(coalescer.run([([key, log], [5])]), HANG_GUARD_S) == [5]
+    assert await client.lrange(log, 0, -1) == [b"5"]
 
 
 async def test_a_call_redis_cannot_take_fails_only_its_caller_among_others(
-    client: aioredis.Redis,
+    client: aioredis.Redis, coalescer: ScriptCoalescer
 ) -> None:
-    coalescer = ScriptCoalescer(client, INCR_BY)
-    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
-    try:
-        results = await asyncio.wait_for(
-            asyncio.gather(  # issued in one turn: one write
-                coalescer.run([([key, log], [1]), ([key, log], [2])]),
-                coalescer.run([([key, log], [3]), ([key, log], [None])]),
-                coalescer.run([([key, log], [4])]),
-                return_exceptions=True,
-            ),
-            HANG_GUARD_S,
-        )
-        assert results[0] == [1, 3] and results[2] == [7]
-        assert isinstance(results[1], DataError)
-        # None of the refused caller's calls ran, not even its sendable first one.
-        assert await client.lrange(log, 0, -1) == [b"1", b"2", b"4"]
-    finally:
-        await coalescer.close()
+    key, log = fresh_keys()
+    results = await asyncio.wait_for(
+        asyncio.gather(  # issued in one turn: one write
+            coalescer.run([([key, log], [1]), ([key, log], [2])]),
+            coalescer.run([([key, log], [3]), ([key, log], [None])]),
+            coalescer.run([([key, log], [4])]),
+            return_exceptions=True,
+        ),
+        HANG_GUARD_S,
+    )
+    assert results[0] == [1, 3] and results[2] == [7]
+    assert isinstance(results[1], DataError)
+    # None of the refused caller's calls ran, not even its sendable first one.
+    assert await client.lrange(log, 0, -1) == [b"1", b"2", b"4"]
 
 
 async def test_calls_run_again_after_the_script_cache_was_flushed(
-    client: aioredis.Redis,
+    client: aioredis.Redis, coalescer: ScriptCoalescer
 ) -> None:
-    coalescer = ScriptCoalescer(client, INCR_BY)
-    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+    key, log = fresh_keys()
     assert await coalescer.run([([key, log], [5])]) == [5]
     await client.script_flush()
     # NOSCRIPT: none of these ran, so each runs once after SCRIPT LOAD.
@@ -126,7 +131,6 @@ async def test_calls_run_again_after_the_script_cache_was_flushed(
     await client.script_flush()
     assert await coalescer.run([([key, log], [3])]) == [10]
     assert await client.lrange(log, 0, -1) == [b"5", b"1", b"1", b"3"]
-    await coalescer.close()
 
 
 @pytest.fixture
@@ -184,7 +188,7 @@ async def test_calls_issued_while_a_write_is_answered_go_together_in_the_next(
 async def test_after_a_redis_restart_the_script_is_loaded_before_the_first_call(
     through_proxy: ScriptCoalescer, redis_proxy: TcpFaultProxy, fresh_redis: RedisServer
 ) -> None:
-    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+    key, log = fresh_keys()
     assert await through_proxy.run([([key, log], [1])]) == [1]
     await asyncio.to_thread(fresh_redis.restart)  # no persistence: the data and scripts are gone
     assert await through_proxy.run([([key, log], [2]), ([key, log], [3])]) == [2, 5]
@@ -197,7 +201,7 @@ async def test_after_a_redis_restart_the_script_is_loaded_before_the_first_call(
 async def test_a_call_cut_off_is_sent_once_more_then_fails_its_caller(
     through_proxy: ScriptCoalescer, redis_proxy: TcpFaultProxy, fresh_redis: RedisServer
 ) -> None:
-    key, log = f"n:{uuid.uuid4().hex}", f"log:{uuid.uuid4().hex}"
+    key, log = fresh_keys()
     assert await through_proxy.run([([key, log], [1])]) == [1]
     redis_proxy.cut_after(b"EVALSHA", count=1)
     # Cut once: resent on a new connection. (This script is not idempotent, as
