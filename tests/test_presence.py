@@ -33,6 +33,14 @@ async def settle(*clients: Client) -> None:
         await client.barrier()
 
 
+async def alice_online(server: RunningServer) -> Client:
+    """alice, subscribed and seeing herself online, with nothing more on its way."""
+    alice = await server.subscribed("alice")
+    await alice.wait_for(lambda: alice.presence.visible == {"alice"})
+    await settle(alice)
+    return alice
+
+
 async def test_own_join_arrives_as_the_next_delta(server: RunningServer) -> None:
     alice = await server.subscribed("alice")
     snapshot_seq = alice.presence.seq
@@ -146,9 +154,7 @@ async def test_seq_is_gap_free_and_increasing_under_churn(server: RunningServer)
 async def test_a_delta_the_node_missed_reaches_its_clients_as_one_snapshot(
     server: RunningServer,
 ) -> None:
-    alice = await server.subscribed("alice")
-    await alice.wait_for(lambda: alice.presence.visible == {"alice"})
-    await settle(alice)
+    alice = await alice_online(server)
     seq = alice.presence.seq
     assert seq is not None
     snapshots = alice.presence.snapshots
@@ -173,9 +179,7 @@ async def test_a_delta_the_node_missed_reaches_its_clients_as_one_snapshot(
 async def test_a_delta_ahead_of_the_committed_state_is_not_passed_on(
     server: RunningServer,
 ) -> None:
-    alice = await server.subscribed("alice")
-    await alice.wait_for(lambda: alice.presence.visible == {"alice"})
-    await settle(alice)
+    alice = await alice_online(server)
     assert alice.presence.seq is not None
     snapshots = alice.presence.snapshots
     metrics = server.node.metrics
@@ -360,8 +364,7 @@ async def test_a_leave_waits_a_whole_window_so_a_quick_return_is_no_flap() -> No
 
 
 async def test_a_reconnect_that_lost_nothing_sends_no_snapshot(server: RunningServer) -> None:
-    alice = await server.subscribed("alice")
-    await alice.wait_for(lambda: alice.presence.visible == {"alice"})
+    alice = await alice_online(server)
     snapshots = alice.presence.snapshots
     metrics = server.node.metrics
     reloads = metrics.value("ap_presence_view_reloads_total")
