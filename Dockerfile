@@ -16,7 +16,7 @@ ARG INSTALL=/src
 RUN python3 -m venv /opt/ap-realtime
 COPY . /src
 RUN /opt/ap-realtime/bin/pip install --no-cache-dir --disable-pip-version-check \
-        ${PIP_ARGS} ${INSTALL} \
+        -c /src/constraints.txt ${PIP_ARGS} ${INSTALL} \
     && find /opt/ap-realtime -name __pycache__ -prune -exec rm -rf {} + \
     && rm -rf /opt/ap-realtime/lib/python3*/site-packages/pip
 

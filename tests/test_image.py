@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 import server as server_package
 from tests.client import DEV_SECRET, Client
+from tests.pins import read_pins
 from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,10 +45,23 @@ def chroot_command(
     return ["chroot", f"--userspec={user}", mount, "/usr/bin/env", "-i", *merged, *argv]
 
 
+def site_packages(mount: str) -> Path:
+    (site,) = Path(mount).glob("opt/ap-realtime/lib/python3*/site-packages")
+    return site
+
+
 def packages_in(mount: str) -> set[str]:
     """The top-level packages in the image's virtual environment."""
-    (site,) = Path(mount).glob("opt/ap-realtime/lib/python3*/site-packages")
-    return {path.parent.name for path in site.glob("*/__init__.py")}
+    return {path.parent.name for path in site_packages(mount).glob("*/__init__.py")}
+
+
+def distributions_in(mount: str) -> dict[str, Version]:
+    """Each distribution installed in the image's virtual environment, and its version."""
+    found: dict[str, Version] = {}
+    for info in site_packages(mount).glob("*.dist-info"):
+        name, version = info.name.removesuffix(".dist-info").rsplit("-", 1)
+        found[canonicalize_name(name)] = Version(version)
+    return found
 
 
 async def http_status(url: str) -> int | None:
@@ -92,6 +108,15 @@ async def test_the_image_runs_ap_realtime_serve_from_ap_variables_as_a_non_root_
         # The server's packages, and not the load tester (it runs from a checkout).
         installed = packages_in(mount)
         assert {"server", "protocol"} <= installed and "loadtest" not in installed
+        # What CI tested, to the version (constraints.txt). Unpinned: the venv's own
+        # pip and setuptools, and redis-py's async-timeout, only for Debian's Python
+        # 3.11.2, which the tests' Python does not ask for.
+        distributions, pins = distributions_in(mount), read_pins()
+        assert distributions.pop("ap-realtime") == Version(server_package.__version__)
+        unpinned = set(distributions) - set(pins)
+        assert unpinned <= {"async-timeout", "pip", "setuptools"}, unpinned
+        drifted = {n: v for n, v in distributions.items() if n in pins and v != pins[n]}
+        assert not drifted, f"the image's versions differ from constraints.txt: {drifted}"
         server = await asyncio.create_subprocess_exec(
             *chroot_command(mount, config, env, *config["Entrypoint"]),
             stdout=asyncio.subprocess.PIPE,
