@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from server.runtime.metrics import Registry
 from server.runtime.pacer import Pacer
-from server.runtime.write_behind import CoalescingFlusher
+from server.runtime.write_behind import CoalescingFlusher, WriteBehind
 from server.session import Session
 from server.store.base import CONNECTION_TTL_SECONDS, ConnectionRecord, Store, ttl_from_now
 
@@ -73,7 +73,7 @@ def merge(older: RowOp, newer: RowOp) -> RowOp:
     return newer
 
 
-class ConnectionRegistry:
+class ConnectionRegistry(WriteBehind[str, RowOp]):
     def __init__(
         self, store: Store, metrics: Registry | None = None, pacer: Pacer | None = None
     ) -> None:
@@ -92,15 +92,6 @@ class ConnectionRegistry:
             "Connection row operations waiting to be written",
             lambda: float(self._flusher.backlog),
         )
-
-    def start(self) -> None:
-        self._flusher.start()
-
-    async def close(self) -> None:
-        await self._flusher.close()
-
-    async def drained(self) -> None:
-        await self._flusher.drained()
 
     async def keep_alive(self, sessions: Iterable[Session], interval: float) -> None:
         """Every ``interval``, push forward the ttl of the rows of ``sessions`` (a live

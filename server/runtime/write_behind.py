@@ -102,6 +102,22 @@ class CoalescingFlusher(Generic[K, V]):
             self._idle.set()
 
 
+class WriteBehind(Generic[K, V]):
+    """A service whose writes all go through one flusher: its life is the flusher's."""
+
+    _flusher: CoalescingFlusher[K, V]
+
+    def start(self) -> None:
+        self._flusher.start()
+
+    async def close(self) -> None:
+        await self._flusher.close()
+
+    async def drained(self) -> None:
+        """Wait until everything queued so far has been written."""
+        await self._flusher.drained()
+
+
 class Drains(Protocol):
     async def drained(self) -> None: ...
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from server.runtime.metrics import Registry
-from server.runtime.write_behind import CoalescingFlusher
+from server.runtime.write_behind import CoalescingFlusher, WriteBehind
 from server.store.base import Store
 
 
@@ -27,7 +27,7 @@ def _newer(older: MarkJob, newer: MarkJob) -> MarkJob:
     return newer if newer.at_ms >= older.at_ms else older
 
 
-class ChatMarks:
+class ChatMarks(WriteBehind[tuple[str, str], MarkJob]):
     def __init__(self, store: Store, metrics: Registry | None = None) -> None:
         registry = metrics or Registry()
         retries = registry.counter(
@@ -44,15 +44,6 @@ class ChatMarks:
             "Dashboard chat marks waiting to be written",
             lambda: float(self._flusher.backlog),
         )
-
-    def start(self) -> None:
-        self._flusher.start()
-
-    async def close(self) -> None:
-        await self._flusher.close()
-
-    async def drained(self) -> None:
-        await self._flusher.drained()
 
     def queue(self, game_id: str, players: Sequence[str], author: str, at_ms: int) -> None:
         self._flusher.put((game_id, author), MarkJob(tuple(players), at_ms))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from server.coordination.claims import Claims
 from server.runtime.metrics import Registry
 from server.runtime.pacer import Pacer
-from server.runtime.write_behind import CoalescingFlusher
+from server.runtime.write_behind import CoalescingFlusher, WriteBehind
 from server.store.base import Store
 from server.store.records import LAST_SEEN_INTERVAL_MS
 
@@ -39,7 +39,7 @@ def _merge(older: Touch, newer: Touch) -> Touch:
     return Touch(max(older.at_ms, newer.at_ms), older.claimed or newer.claimed)
 
 
-class LastSeen:
+class LastSeen(WriteBehind[str, Touch]):
     def __init__(
         self,
         store: Store,
@@ -65,15 +65,9 @@ class LastSeen:
             "last-seen", self._flush, _merge, retries
         )
 
-    def start(self) -> None:
-        self._flusher.start()
-
     async def close(self) -> None:
-        await self._flusher.close()
+        await super().close()
         await self._claims.close()
-
-    async def drained(self) -> None:
-        await self._flusher.drained()
 
     def seen(self, user_id: str) -> None:
         """The user is active now. Returns at once; the write (if any) happens later."""
