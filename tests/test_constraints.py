@@ -13,6 +13,7 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -76,12 +77,8 @@ def test_the_reader_refuses_a_range_and_a_repeat(tmp_path: Path) -> None:
     repeated = tmp_path / "repeated.txt"
     repeated.write_text("Flask==3.1.3\nflask==3.1.3\n")
     for path, message in ((ranged, "not one exact pin"), (repeated, "pinned twice")):
-        try:
+        with pytest.raises(AssertionError, match=message):
             read_pins(path)
-        except AssertionError as error:
-            assert message in str(error)
-        else:
-            raise AssertionError(f"{path.name} was accepted")
 
 
 def test_each_requirement_of_pyproject_is_pinned_inside_its_range() -> None:
