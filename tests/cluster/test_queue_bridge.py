@@ -18,6 +18,9 @@ import boto3
 import pytest
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 
+from protocol.messages import game_key
+from protocol.streams import game_stream
+from server.bus.redis_streams import meta_key
 from tests.client import Client
 from tests.cluster.conftest import nodes_on, redis_for
 from tests.cluster.harness import REGION, Cluster
@@ -76,6 +79,76 @@ def seen(client: Client) -> list[int]:
     return [m["payload"]["n"] for m in client.of_verb("game")]
 
 
+STREAM = game_stream(game_key("chess", "g1"))
+
+NODE_FIGURES = (
+    "ap_sqs_messages_received_total",
+    "ap_sqs_messages_published_total",
+    "ap_sqs_duplicates_total",
+    "ap_sqs_messages_returned_total",
+    "ap_sqs_errors_total",
+    "ap_sqs_messages_in_flight",
+    "ap_bus_messages_total",
+    "ap_bus_reconnects_total",
+    "ap_stream_delivered_at_append_total",
+    "ap_stream_gaps_total",
+    "ap_stream_repaired_events_total",
+    "ap_stream_losses_total",
+)
+
+
+async def all_seen(
+    cluster: Cluster, queue_url: str, watchers: list[Client], count: int, what: str
+) -> None:
+    """Every watcher has seen ``count`` events; on a timeout, where each one stopped."""
+    try:
+        for watcher in watchers:
+            await eventually(lambda w=watcher: len(seen(w)) >= count, ARRIVAL_S, what)  # type: ignore[misc]
+    except AssertionError as exc:
+        report = await where_it_stopped(cluster, queue_url, watchers, count)
+        raise AssertionError(f"{exc}\n{report}") from None
+
+
+async def where_it_stopped(
+    cluster: Cluster, queue_url: str, watchers: list[Client], count: int
+) -> str:
+    """What a failed wait needs to say: which events each watcher lacks, how far the
+    stream got in Redis, what the queue still holds, and each live node's counts (a
+    message never published, or published and not delivered, reads differently)."""
+    lines = []
+    for index, watcher in enumerate(watchers):
+        numbers = seen(watcher)
+        missing = sorted(set(range(count)) - set(numbers))
+        lines.append(
+            f"watcher {index}: {len(numbers)} events, {len(numbers) - len(set(numbers))} "
+            f"repeated, missing {missing[:20]}{' ...' if len(missing) > 20 else ''}; "
+            f"recovered {watcher.recovered(STREAM)}; close code {watcher.ws.close_code}"
+        )
+    client = cluster.redis_client()
+    try:
+        lines.append(f"stream {STREAM} in Redis: {await client.hgetall(meta_key(STREAM))}")
+    except Exception as exc:
+        lines.append(f"stream {STREAM} unreadable: {exc!r}")
+    finally:
+        await client.aclose()
+    try:
+        queued = await asyncio.to_thread(depth, cluster.dynamodb_endpoint, queue_url)
+        lines.append(f"queue: {queued} messages left")
+    except Exception as exc:
+        lines.append(f"queue unreadable: {exc!r}")
+    for name, node in cluster.nodes.items():
+        if not node.alive:
+            lines.append(f"{name}: not running")
+            continue
+        try:
+            figures = {m: await cluster.metric(name, m) for m in NODE_FIGURES}
+        except Exception as exc:
+            lines.append(f"{name}: metrics unreadable: {exc!r}")
+        else:
+            lines.append(f"{name}: " + ", ".join(f"{m} {v:g}" for m, v in figures.items()))
+    return "\n".join(lines)
+
+
 async def drained(cluster: Cluster, queue_url: str, within: float) -> None:
     deadline = asyncio.get_running_loop().time() + within
     while await asyncio.to_thread(depth, cluster.dynamodb_endpoint, queue_url) != 0:
@@ -115,8 +188,7 @@ async def test_competing_consumers_deliver_each_message_once(
     cluster, queue_url = bridged
     watchers = [await watcher_on(cluster, name, f"w-{name}") for name in NODES]
     await asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 200))
-    for watcher in watchers:
-        await eventually(lambda w=watcher: len(seen(w)) >= 200, ARRIVAL_S, "200 events")  # type: ignore[misc]
+    await all_seen(cluster, queue_url, watchers, 200, "200 events")
     await drained(cluster, queue_url, ARRIVAL_S)
     await asyncio.sleep(1)  # room for a duplicate to show up
     for watcher in watchers:
@@ -153,7 +225,7 @@ async def test_a_node_killed_mid_run_loses_and_duplicates_nothing(
     cluster.kill("b1")  # with messages received and not yet deleted, most likely
     await sender
     # What b1 held comes back after the visibility timeout (3 s) and b2 takes it.
-    await eventually(lambda: len(seen(watcher)) >= 300, ARRIVAL_S, "all 300 events")
+    await all_seen(cluster, queue_url, [watcher], 300, "all 300 events")
     await drained(cluster, queue_url, ARRIVAL_S)
     await asyncio.sleep(1)
     # Nothing lost, nothing twice: a batch b1 published but never marked done is
@@ -169,8 +241,7 @@ async def test_a_redis_restart_keeps_messages_in_the_queue_until_published(
     assert isinstance(cluster.redis, RedisServer)  # one Redis, restarted empty
     watchers = [await cluster.client(name, f"w-{name}", games=[("chess", "g1")]) for name in NODES]
     await asyncio.to_thread(send_batch, cluster.dynamodb_endpoint, queue_url, moves(0, 20))
-    for watcher in watchers:
-        await eventually(lambda w=watcher: len(seen(w)) >= 20, ARRIVAL_S, "the first 20")  # type: ignore[misc]
+    await all_seen(cluster, queue_url, watchers, 20, "the first 20")
     # Seen is not yet deleted: a batch whose appends landed but whose answers the stop
     # cuts off is handed back, and once Redis returns without its id keys it would be
     # appended again (the one window operations.md names). This test is about the
@@ -181,8 +252,7 @@ async def test_a_redis_restart_keeps_messages_in_the_queue_until_published(
     await asyncio.sleep(2)
     assert await asyncio.to_thread(depth, cluster.dynamodb_endpoint, queue_url) > 0
     cluster.redis.restart()
-    for watcher in watchers:
-        await eventually(lambda w=watcher: len(seen(w)) >= 60, ARRIVAL_S, "all 60")  # type: ignore[misc]
+    await all_seen(cluster, queue_url, watchers, 60, "all 60")
     await drained(cluster, queue_url, ARRIVAL_S)
     await asyncio.sleep(1)
     for watcher in watchers:
