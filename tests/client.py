@@ -149,6 +149,17 @@ class Client:
         return self.recovered(stream)[count - 1]
 
     @property
+    def reader_state(self) -> str:
+        """For a failed test's report: whether frames are still being read, and if not, why."""
+        task = self._reader
+        if not task.done():
+            return "reading"
+        if task.cancelled():
+            return "cancelled"
+        error = task.exception()
+        return f"failed: {error!r}" if error is not None else "ended (connection closed)"
+
+    @property
     def frames_received(self) -> int:
         """Every frame read from the server, the answers to :meth:`barrier` included."""
         return len(self.messages) + len(self._answered)

@@ -122,7 +122,8 @@ async def where_it_stopped(
         lines.append(
             f"watcher {index}: {len(numbers)} events, {len(numbers) - len(set(numbers))} "
             f"repeated, missing {missing[:20]}{' ...' if len(missing) > 20 else ''}; "
-            f"recovered {watcher.recovered(STREAM)}; close code {watcher.ws.close_code}"
+            f"recovered {watcher.recovered(STREAM)}; close code {watcher.ws.close_code}; "
+            f"reader {watcher.reader_state}"
         )
     client = cluster.redis_client()
     try:
