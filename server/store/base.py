@@ -201,16 +201,19 @@ class Store(Protocol):
         """User ids under ``GAMEWATCHERS#<gameId>``."""
 
     async def mark_players_last_chat(
-        self, game_id: str, players: Sequence[str], author: str, at_ms: int
+        self, game_id: str, players: Sequence[str], authors: Mapping[str, int]
     ) -> None:
-        """Set ``USERGAME#<uid>/<gameId>.lastChat`` (and the author's ``seen``) for each
-        human player who has the game on their dashboard (a ``CURRENTGAMES#`` row)."""
+        """Set ``USERGAME#<uid>/<gameId>.lastChat`` for each human player who has the
+        game on their dashboard (a ``CURRENTGAMES#`` row). ``authors``: each author's
+        latest comment (ms); ``lastChat`` is the latest of them, and an author's row
+        also gets ``seen`` just after their own. One write per row, however many
+        authors."""
 
     async def mark_watchers_last_chat(
-        self, game_id: str, watchers: Sequence[str], author: str, at_ms: int
+        self, game_id: str, watchers: Sequence[str], authors: Mapping[str, int]
     ) -> None:
-        """Set ``WATCHED#<uid>/<gameId>.lastChat`` (and the author's ``seen``) on each
-        watcher's existing row; a missing row is not created."""
+        """As :meth:`mark_players_last_chat`, on each watcher's existing
+        ``WATCHED#<uid>/<gameId>`` row; a missing row is not created."""
 
     async def touch_last_seen(self, user_id: str, now_ms: int) -> bool:
         """Set ``USERS/<userId>.lastSeen = now`` if it is missing or older than 15

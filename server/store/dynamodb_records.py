@@ -340,7 +340,7 @@ class GameRecordsMixin:
         return found
 
     async def mark_players_last_chat(
-        self, game_id: str, players: Sequence[str], author: str, at_ms: int
+        self, game_id: str, players: Sequence[str], authors: Mapping[str, int]
     ) -> None:
         unique = list(dict.fromkeys(players))
         wanted = [(r.CURRENTGAMES_PREFIX + p, game_id) for p in unique]
@@ -352,33 +352,34 @@ class GameRecordsMixin:
             if (r.CURRENTGAMES_PREFIX + p, game_id) in found and (r.BOT_PK, p) not in found
         ]
         # The overlay row is an upsert, as the backend's upsertUserGameOverlay does.
-        await self._mark(r.USERGAME_PREFIX, game_id, humans, author, at_ms, must_exist=False)
+        await self._mark(r.USERGAME_PREFIX, game_id, humans, authors, must_exist=False)
 
     async def mark_watchers_last_chat(
-        self, game_id: str, watchers: Sequence[str], author: str, at_ms: int
+        self, game_id: str, watchers: Sequence[str], authors: Mapping[str, int]
     ) -> None:
         unique = list(dict.fromkeys(watchers))
-        await self._mark(r.WATCHED_PREFIX, game_id, unique, author, at_ms, must_exist=True)
+        await self._mark(r.WATCHED_PREFIX, game_id, unique, authors, must_exist=True)
 
     async def _mark(
         self,
         prefix: str,
         game_id: str,
         users: list[str],
-        author: str,
-        at_ms: int,
+        authors: Mapping[str, int],
         *,
         must_exist: bool,
     ) -> None:
         gate = asyncio.Semaphore(MARK_CONCURRENCY)
+        at_ms = max(authors.values())
 
         async def mark(user: str) -> None:
             names = {"#lc": r.LAST_CHAT}
             values: dict[str, Any] = {":lc": number(at_ms)}
             expression = "SET #lc = :lc"
-            if user == author:
+            own = authors.get(user)
+            if own is not None:
                 names["#seen"] = r.SEEN
-                values[":seen"] = number(at_ms + r.AUTHOR_SEEN_LEAD_MS)
+                values[":seen"] = number(own + r.AUTHOR_SEEN_LEAD_MS)
                 expression += ", #seen = :seen"
             params: dict[str, Any] = {
                 "Key": _key(prefix + user, game_id),

@@ -286,7 +286,7 @@ class MemoryStore:
         return sorted(sk for (row_pk, sk) in self._rows if row_pk == pk)
 
     async def mark_players_last_chat(
-        self, game_id: str, players: Sequence[str], author: str, at_ms: int
+        self, game_id: str, players: Sequence[str], authors: Mapping[str, int]
     ) -> None:
         for player in players:
             if (r.BOT_PK, player) in self._rows:
@@ -294,15 +294,15 @@ class MemoryStore:
             if (r.CURRENTGAMES_PREFIX + player, game_id) not in self._rows:
                 continue
             row = self._rows.setdefault((r.USERGAME_PREFIX + player, game_id), {})
-            _mark(row, at_ms, player == author)
+            _mark(row, player, authors)
 
     async def mark_watchers_last_chat(
-        self, game_id: str, watchers: Sequence[str], author: str, at_ms: int
+        self, game_id: str, watchers: Sequence[str], authors: Mapping[str, int]
     ) -> None:
         for watcher in watchers:
             row = self._rows.get((r.WATCHED_PREFIX + watcher, game_id))
             if row is not None:
-                _mark(row, at_ms, watcher == author)
+                _mark(row, watcher, authors)
 
     async def touch_last_seen(self, user_id: str, now_ms: int) -> bool:
         row = self._rows.get((r.USERS_PK, user_id))
@@ -318,14 +318,16 @@ class MemoryStore:
         return {user for user, at in touches.items() if await self.touch_last_seen(user, at)}
 
 
-def _mark(row: Row, at_ms: int, is_author: bool) -> None:
-    """Set ``lastChat`` (and the author's ``seen``) unless a newer mark is there."""
+def _mark(row: Row, user: str, authors: Mapping[str, int]) -> None:
+    """Set ``lastChat`` (and an author's ``seen``) unless a newer mark is there."""
+    at_ms = max(authors.values())
     last = row.get(r.LAST_CHAT)
     if isinstance(last, int | float) and last >= at_ms:
         return
     row[r.LAST_CHAT] = at_ms
-    if is_author:
-        row[r.SEEN] = at_ms + r.AUTHOR_SEEN_LEAD_MS
+    own = authors.get(user)
+    if own is not None:
+        row[r.SEEN] = own + r.AUTHOR_SEEN_LEAD_MS
 
 
 def _to_move(value: Any) -> ToMove:

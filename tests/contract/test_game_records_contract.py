@@ -271,7 +271,7 @@ async def test_player_marks_follow_the_dashboard_rows(store: Store) -> None:
         rows.put(f"CURRENTGAMES#{player}", GAME, {"id": GAME})
     rows.put("BOT", "botty", {"name": "Botty"})
     rows.put("USERGAME#bob", GAME, {"seen": 5, "other": 1})
-    await store.mark_players_last_chat(GAME, ["alice", "bob", "botty", "carol"], "alice", 1000)
+    await store.mark_players_last_chat(GAME, ["alice", "bob", "botty", "carol"], {"alice": 1000})
     assert rows.get("USERGAME#alice", GAME) == {"lastChat": 1000, "seen": 1010}
     assert rows.get("USERGAME#bob", GAME) == {"lastChat": 1000, "seen": 5, "other": 1}
     assert rows.get("USERGAME#botty", GAME) is None  # bots have no dashboard
@@ -282,7 +282,7 @@ async def test_watcher_marks_update_existing_rows_only(store: Store) -> None:
     rows = Rows(store)
     rows.put("WATCHED#w1", GAME, {"metaGame": "chess", "addedAt": 1, "seen": 2})
     rows.put("WATCHED#admin", GAME, {"metaGame": "chess"})
-    await store.mark_watchers_last_chat(GAME, ["w1", "admin", "gone"], "admin", 500)
+    await store.mark_watchers_last_chat(GAME, ["w1", "admin", "gone"], {"admin": 500})
     assert rows.get("WATCHED#w1", GAME) == {
         "metaGame": "chess",
         "addedAt": 1,
@@ -297,12 +297,30 @@ async def test_an_older_mark_never_overwrites_a_newer_one(store: Store) -> None:
     rows = Rows(store)
     rows.put("CURRENTGAMES#alice", GAME, {"id": GAME})
     rows.put("WATCHED#w1", GAME, {"addedAt": 1})
-    await store.mark_players_last_chat(GAME, ["alice"], "alice", 2000)
-    await store.mark_watchers_last_chat(GAME, ["w1"], "w1", 2000)
-    await store.mark_players_last_chat(GAME, ["alice"], "bob", 1000)  # a late retry
-    await store.mark_watchers_last_chat(GAME, ["w1"], "bob", 1000)
+    await store.mark_players_last_chat(GAME, ["alice"], {"alice": 2000})
+    await store.mark_watchers_last_chat(GAME, ["w1"], {"w1": 2000})
+    await store.mark_players_last_chat(GAME, ["alice"], {"bob": 1000})  # a late retry
+    await store.mark_watchers_last_chat(GAME, ["w1"], {"bob": 1000})
     assert rows.get("USERGAME#alice", GAME) == {"lastChat": 2000, "seen": 2010}
     assert rows.get("WATCHED#w1", GAME) == {"addedAt": 1, "lastChat": 2000, "seen": 2010}
+
+
+async def test_one_mark_for_several_authors_keeps_each_authors_seen(store: Store) -> None:
+    # A flush's comments by several authors: every row gets the latest time, each
+    # author's row their own seen, in one write per row.
+    rows = Rows(store)
+    for player in ("alice", "bob", "carol"):
+        rows.put(f"CURRENTGAMES#{player}", GAME, {"id": GAME})
+    rows.put("WATCHED#w1", GAME, {"addedAt": 1})
+    rows.put("WATCHED#w2", GAME, {"addedAt": 1})
+    authors = {"alice": 3000, "bob": 1000, "w1": 2000}
+    await store.mark_players_last_chat(GAME, ["alice", "bob", "carol"], authors)
+    await store.mark_watchers_last_chat(GAME, ["w1", "w2"], authors)
+    assert rows.get("USERGAME#alice", GAME) == {"lastChat": 3000, "seen": 3010}
+    assert rows.get("USERGAME#bob", GAME) == {"lastChat": 3000, "seen": 1010}
+    assert rows.get("USERGAME#carol", GAME) == {"lastChat": 3000}
+    assert rows.get("WATCHED#w1", GAME) == {"addedAt": 1, "lastChat": 3000, "seen": 2010}
+    assert rows.get("WATCHED#w2", GAME) == {"addedAt": 1, "lastChat": 3000}
 
 
 # ----------------------------------------------------------------------- lastSeen
