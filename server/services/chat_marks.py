@@ -2,8 +2,8 @@
 
 Players' ``USERGAME#`` rows and watchers' ``WATCHED#`` rows get ``lastChat`` (the
 author's ``seen`` too), so dashboards show "new chat". None of it is on the
-author's path: the ack has gone before these are written. A flush writes each row
-once per game, however many comments and authors it holds. Failed writes are
+author's path: the ack has gone before these are written. A flush writes each of a
+game's rows once, however many comments and authors it holds. Failed writes are
 retried with backoff; the store never lets an older mark overwrite a newer one,
 so retries may land in any order.
 """

@@ -342,6 +342,8 @@ class GameRecordsMixin:
     async def mark_players_last_chat(
         self, game_id: str, players: Sequence[str], authors: Mapping[str, int]
     ) -> None:
+        if not authors:
+            return  # no comment, nothing to mark (and nothing to read)
         unique = list(dict.fromkeys(players))
         wanted = [(r.CURRENTGAMES_PREFIX + p, game_id) for p in unique]
         wanted += [(r.BOT_PK, p) for p in unique]
@@ -369,6 +371,8 @@ class GameRecordsMixin:
         *,
         must_exist: bool,
     ) -> None:
+        if not authors:
+            return  # no comment, nothing to mark
         gate = asyncio.Semaphore(MARK_CONCURRENCY)
         at_ms = max(authors.values())
 

@@ -288,6 +288,8 @@ class MemoryStore:
     async def mark_players_last_chat(
         self, game_id: str, players: Sequence[str], authors: Mapping[str, int]
     ) -> None:
+        if not authors:
+            return  # no comment, nothing to mark
         for player in players:
             if (r.BOT_PK, player) in self._rows:
                 continue
@@ -299,6 +301,8 @@ class MemoryStore:
     async def mark_watchers_last_chat(
         self, game_id: str, watchers: Sequence[str], authors: Mapping[str, int]
     ) -> None:
+        if not authors:
+            return
         for watcher in watchers:
             row = self._rows.get((r.WATCHED_PREFIX + watcher, game_id))
             if row is not None:

@@ -94,6 +94,7 @@ NODE_FIGURES = (
     "ap_stream_gaps_total",
     "ap_stream_repaired_events_total",
     "ap_stream_losses_total",
+    "ap_stream_audit_missed_total",
 )
 
 

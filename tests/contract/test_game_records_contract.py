@@ -271,6 +271,8 @@ async def test_player_marks_follow_the_dashboard_rows(store: Store) -> None:
         rows.put(f"CURRENTGAMES#{player}", GAME, {"id": GAME})
     rows.put("BOT", "botty", {"name": "Botty"})
     rows.put("USERGAME#bob", GAME, {"seen": 5, "other": 1})
+    await store.mark_players_last_chat(GAME, ["alice", "bob"], {})  # no comment: no mark
+    assert rows.get("USERGAME#alice", GAME) is None
     await store.mark_players_last_chat(GAME, ["alice", "bob", "botty", "carol"], {"alice": 1000})
     assert rows.get("USERGAME#alice", GAME) == {"lastChat": 1000, "seen": 1010}
     assert rows.get("USERGAME#bob", GAME) == {"lastChat": 1000, "seen": 5, "other": 1}
@@ -282,6 +284,8 @@ async def test_watcher_marks_update_existing_rows_only(store: Store) -> None:
     rows = Rows(store)
     rows.put("WATCHED#w1", GAME, {"metaGame": "chess", "addedAt": 1, "seen": 2})
     rows.put("WATCHED#admin", GAME, {"metaGame": "chess"})
+    await store.mark_watchers_last_chat(GAME, ["w1"], {})  # no comment: no mark
+    assert rows.get("WATCHED#w1", GAME) == {"metaGame": "chess", "addedAt": 1, "seen": 2}
     await store.mark_watchers_last_chat(GAME, ["w1", "admin", "gone"], {"admin": 500})
     assert rows.get("WATCHED#w1", GAME) == {
         "metaGame": "chess",
