@@ -1,15 +1,20 @@
-"""The moto launcher the tests run: conditional writes on one item are atomic, as in DynamoDB."""
+"""The moto launcher the tests run: conditional writes on one item are atomic, as in
+DynamoDB, and SQS deletes lose no message sent meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import threading
+import uuid
 from collections.abc import Iterator
 
 import boto3
 import pytest
+from moto.sqs.models import sqs_backends
 
+from loadtest.harness.moto_server import serialise_sqs_deletes
 from server.store.dynamodb import DynamoStore
 from tests.conftest import TEST_REGION, new_table
 from tests.services import MotoServer, start_moto_server
@@ -137,3 +142,45 @@ async def test_updated_items_leave_no_copies_behind(own_moto: MotoServer) -> Non
     assert all(instances == [] for instances in tracked.values()), {
         name: len(instances) for name, instances in tracked.items()
     }
+
+
+def test_a_delete_never_drops_a_message_sent_meanwhile() -> None:
+    # moto's delete rebuilds the message list from the one it began with. Paused in
+    # the middle (as a thread switch does), while a second delete and a send both
+    # finish, it would put back a list without the sent message. The launcher makes
+    # them wait for it instead. In-process, on moto's model: the interleaving is
+    # forced here, where over HTTP it takes a loaded machine and luck.
+    serialise_sqs_deletes()
+    backend = sqs_backends["123456789012"][TEST_REGION]
+    name = f"race-{uuid.uuid4().hex[:8]}"
+    backend.create_queue(name)
+    queue = backend.get_queue(name)
+    backend.send_message(name, "first")
+    second = backend.send_message(name, "second")
+    received = {m.body: m.receipt_handle for m in backend.receive_message(name, 10, 0, 30)}
+    paused, resume = threading.Event(), threading.Event()
+    checks_second = second.had_receipt_handle
+
+    def pausing(handle: str) -> bool:
+        if threading.current_thread() is deleter_a:
+            paused.set()
+            resume.wait(10)
+        return checks_second(handle)
+
+    setattr(second, "had_receipt_handle", pausing)  # noqa: B010 (an instance, not the class)
+    deleter_a = threading.Thread(target=queue.delete_message, args=(received["first"],))
+    deleter_a.start()
+    assert paused.wait(10)
+    others = [
+        threading.Thread(target=queue.delete_message, args=(received["second"],)),
+        threading.Thread(target=backend.send_message, args=(name, "third")),
+    ]
+    for thread in others:
+        thread.start()
+    for thread in others:
+        thread.join(0.3)  # unserialised they finish now; serialised they wait for the first
+    resume.set()
+    for thread in (deleter_a, *others):
+        thread.join(10)
+    assert not any(thread.is_alive() for thread in (deleter_a, *others))
+    assert [m.body for m in queue._messages] == ["third"]

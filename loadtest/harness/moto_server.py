@@ -10,6 +10,16 @@ sequence, fences, claims), so they run moto behind this launcher, which lets
 one DynamoDB request at a time into moto's backend. Other services (SQS long
 polls, DynamoDB Streams) keep their own threads.
 
+SQS loses messages the same way. moto's ``Queue.delete_message`` rebuilds the
+queue's message list from the list it started reading and puts the copy back,
+with no lock: a second delete that finishes meanwhile puts back its own copy,
+a ``SendMessage`` appends to that one, and the first delete's copy then drops
+the sent message (and brings the second delete's message back). Two nodes
+deleting while the backend sends is the queue bridges' everyday traffic; the
+queue bridge tests lost a few messages of one send now and then on a loaded
+machine. The launcher holds the queue's own lock (the one its sends append
+under) for each delete.
+
 DynamoDB keeps HTTP/1.1 connections open between requests; werkzeug's server
 under moto closes each after one response, so every request of a client paid
 for a new TCP connection (a seventh of a node's CPU per ``UpdateItem`` in the
@@ -44,6 +54,7 @@ import moto.server
 from moto.core.model_instances import model_data
 from moto.dynamodb.responses import DynamoHandler
 from moto.moto_server.werkzeug_app import MotoRequestHandler
+from moto.sqs.models import Queue
 from werkzeug.serving import DechunkedInput
 
 _one_request_at_a_time = threading.Lock()
@@ -58,6 +69,20 @@ def _serialise_dynamodb() -> None:
             return unlocked(self)
 
     DynamoHandler.call_action = call_action  # type: ignore[method-assign]
+
+
+def serialise_sqs_deletes() -> None:
+    unlocked = Queue.delete_message
+    if getattr(unlocked, "serialised", False):
+        return
+
+    @functools.wraps(unlocked)
+    def delete_message(self: Queue, receipt_handle: str) -> None:
+        with self._messages_lock:
+            unlocked(self, receipt_handle)
+
+    delete_message.serialised = True  # type: ignore[attr-defined]
+    Queue.delete_message = delete_message  # type: ignore[method-assign]
 
 
 def _untracked(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -122,6 +147,7 @@ class KeepAliveHandler(MotoRequestHandler):
 
 def main(argv: list[str] | None = None) -> None:
     _serialise_dynamodb()
+    serialise_sqs_deletes()
     _forget_dynamodb_models()
     gc.collect()
     gc.freeze()
