@@ -72,6 +72,8 @@ def _serialise_dynamodb() -> None:
 
 
 def serialise_sqs_deletes() -> None:
+    """Each SQS delete under its queue's lock (once, however often called: the tests
+    call it in their own process)."""
     unlocked = Queue.delete_message
     if getattr(unlocked, "serialised", False):
         return
