@@ -290,23 +290,25 @@ class MemoryStore:
     ) -> None:
         if not authors:
             return  # no comment, nothing to mark
+        at_ms = max(authors.values())
         for player in players:
             if (r.BOT_PK, player) in self._rows:
                 continue
             if (r.CURRENTGAMES_PREFIX + player, game_id) not in self._rows:
                 continue
             row = self._rows.setdefault((r.USERGAME_PREFIX + player, game_id), {})
-            _mark(row, player, authors)
+            _mark(row, at_ms, authors.get(player))
 
     async def mark_watchers_last_chat(
         self, game_id: str, watchers: Sequence[str], authors: Mapping[str, int]
     ) -> None:
         if not authors:
             return
+        at_ms = max(authors.values())
         for watcher in watchers:
             row = self._rows.get((r.WATCHED_PREFIX + watcher, game_id))
             if row is not None:
-                _mark(row, watcher, authors)
+                _mark(row, at_ms, authors.get(watcher))
 
     async def touch_last_seen(self, user_id: str, now_ms: int) -> bool:
         row = self._rows.get((r.USERS_PK, user_id))
@@ -322,14 +324,13 @@ class MemoryStore:
         return {user for user, at in touches.items() if await self.touch_last_seen(user, at)}
 
 
-def _mark(row: Row, user: str, authors: Mapping[str, int]) -> None:
-    """Set ``lastChat`` (and an author's ``seen``) unless a newer mark is there."""
-    at_ms = max(authors.values())
+def _mark(row: Row, at_ms: int, own: int | None) -> None:
+    """Set ``lastChat`` (and, for an author, ``seen`` after their ``own`` comment)
+    unless a newer mark is there."""
     last = row.get(r.LAST_CHAT)
     if isinstance(last, int | float) and last >= at_ms:
         return
     row[r.LAST_CHAT] = at_ms
-    own = authors.get(user)
     if own is not None:
         row[r.SEEN] = own + r.AUTHOR_SEEN_LEAD_MS
 
