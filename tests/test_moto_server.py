@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import boto3
 import pytest
+from moto.core.models import DEFAULT_ACCOUNT_ID
 from moto.sqs.models import sqs_backends
 
 from loadtest.harness.moto_server import serialise_sqs_deletes
@@ -151,7 +152,7 @@ def test_a_delete_never_drops_a_message_sent_meanwhile() -> None:
     # them wait for it instead. In-process, on moto's model: the interleaving is
     # forced here, where over HTTP it takes a loaded machine and luck.
     serialise_sqs_deletes()
-    backend = sqs_backends["123456789012"][TEST_REGION]
+    backend = sqs_backends[DEFAULT_ACCOUNT_ID][TEST_REGION]
     name = f"race-{uuid.uuid4().hex[:8]}"
     backend.create_queue(name)
     queue = backend.get_queue(name)
