@@ -1,0 +1,136 @@
+"""Node CPU per DynamoDB call of the store, against moto.
+
+    python -m loadtest.scenarios.store_calls [--calls 2000] [--concurrency 16] [--rounds 3]
+
+A connect costs a cluster node DynamoDB calls an embedded node does not make: its
+``wsConnections`` row (``BatchWriteItem``, 25 rows a call) and its user's
+``lastSeen`` touch (a conditional ``UpdateItem``), both through aiobotocore, on
+the CPU that fans events out (``loadtest/results/HISTORY.md``, 2026-12-06: an
+``UpdateItem`` cost about what one event's delivery to 100 watchers does). This
+measures the CPU of this process (``time.process_time``) per call of the store
+as the node builds it (``server.store.dynamodb.DynamoStore``), with
+``--concurrency`` callers at once, in interleaved rounds: a ``lastSeen`` touch
+that writes, a ``BatchWriteItem`` of 25 connection rows, and a ``GetItem``.
+moto runs in a process of its own: its CPU is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from loadtest.harness.servers import FAKE_AWS, create_table, start_moto
+from loadtest.report.summary import print_benchmark
+from loadtest.scenarios.connect_storm import seed_users
+from server.store.base import ConnectionRecord
+from server.store.dynamodb import DynamoStore
+
+ROWS_PER_BATCH = 25
+"""BatchWriteItem's limit, and what the connection-row write-behind sends a call."""
+
+Call = Callable[[int], Awaitable[Any]]
+
+
+async def _cpu_per_call(call: Call, calls: int, concurrency: int) -> float:
+    """Microseconds of this process's CPU per ``call(i)``, ``concurrency`` at once."""
+    per_task = calls // concurrency
+
+    async def caller(index: int) -> None:
+        for i in range(per_task):
+            await call(index * per_task + i)
+
+    started = time.process_time()
+    await asyncio.gather(*(caller(i) for i in range(concurrency)))
+    return (time.process_time() - started) / (per_task * concurrency) * 1e6
+
+
+def _row(round_id: str, index: int) -> ConnectionRecord:
+    return ConnectionRecord(
+        connection_id=f"{round_id}-{index}",
+        user_id=f"user{index % 500}",
+        invisible=False,
+        endpoint="node-a",
+        wants_presence=True,
+        watch_version=1,
+        watching_games=frozenset({f"chess#g{index % 200}"}),
+        ttl=int(time.time()) + 3600,
+    )
+
+
+async def run(calls: int, concurrency: int, rounds: int) -> dict[str, Any]:
+    os.environ.update(FAKE_AWS)
+    moto, endpoint = await start_moto()
+    try:
+        table = f"storecalls-{uuid.uuid4().hex[:8]}"
+        await create_table(endpoint, table)
+        # Every touch of every round must write: a user of its own, lastSeen long past.
+        touches = calls * (rounds + 1)
+        users = [f"touch{i}" for i in range(touches)]
+        await asyncio.to_thread(seed_users, endpoint, table, users)
+        store = DynamoStore(table, FAKE_AWS["AWS_DEFAULT_REGION"], endpoint)
+        await store.start()
+        now_ms = int(time.time() * 1000)
+        next_user = 0
+
+        async def touch(_: int) -> None:
+            nonlocal next_user
+            user = users[next_user]
+            next_user += 1
+            assert await store.touch_last_seen(user, now_ms), f"{user}'s lastSeen not written"
+
+        async def batch_write(index: int) -> None:
+            round_id = uuid.uuid4().hex[:6]
+            rows = [_row(round_id, index * ROWS_PER_BATCH + i) for i in range(ROWS_PER_BATCH)]
+            await store.write_connections(rows, ())
+
+        async def get_item(index: int) -> None:
+            await store.get_connection(f"missing-{index}")
+
+        measured: dict[str, Call] = {
+            "UpdateItem (lastSeen, written)": touch,
+            f"BatchWriteItem ({ROWS_PER_BATCH} wsConnections rows)": batch_write,
+            "GetItem": get_item,
+        }
+        # The batch writes move 25 rows a call: fewer calls keep a round's moto time alike.
+        counts = {name: calls // (5 if "Batch" in name else 1) for name in measured}
+        for call in measured.values():  # warm up: the pool's connections open
+            await _cpu_per_call(call, concurrency * 10, concurrency)
+        per_round: dict[str, list[float]] = {name: [] for name in measured}
+        for _ in range(rounds):
+            for name, call in measured.items():
+                cpu = await _cpu_per_call(call, counts[name], concurrency)
+                per_round[name].append(round(cpu, 1))
+        await store.close()
+        return {
+            "calls_per_round": counts,
+            "concurrency": concurrency,
+            "cpu_us_per_call": per_round,
+            "cpu_us_per_call_median": {
+                name: statistics.median(values) for name, values in per_round.items()
+            },
+        }
+    finally:
+        moto.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.scenarios.store_calls", description=__doc__
+    )
+    parser.add_argument("--calls", type=int, default=2000, help="single-item calls per round")
+    parser.add_argument("--concurrency", type=int, default=16, help="callers at once")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    results = asyncio.run(run(args.calls, args.concurrency, args.rounds))
+    print_benchmark(parser.prog, argv, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
