@@ -286,8 +286,9 @@ class DynamoFaultProxy:
     - ``randomize(rng, ...)``: from now on each request fails, is throttled or
       is delayed by chance (the chaos scenario), until ``recover()``.
 
-    ``operations`` records the DynamoDB operation name of every request seen and
-    ``batch_sizes`` the number of items of every BatchWriteItem. Like DynamoDB
+    ``operations`` records the DynamoDB operation name of every request seen,
+    ``batch_sizes`` the number of items of every BatchWriteItem and
+    ``user_agents`` every ``User-Agent`` header. Like DynamoDB
     (and unlike moto), it refuses a BatchWriteItem of more than 25 items.
     """
 
@@ -295,6 +296,7 @@ class DynamoFaultProxy:
         self.upstream = upstream.rstrip("/")
         self.operations: list[str] = []
         self.batch_sizes: list[int] = []
+        self.user_agents: set[str] = set()
         self.unprocessed_rounds = 0
         self.injected: dict[str, int] = {}
         self._failures: list[tuple[str, int]] = []
@@ -378,6 +380,7 @@ class DynamoFaultProxy:
         target = request.headers.get("X-Amz-Target", "")
         operation = target.rpartition(".")[2]
         self.operations.append(operation)
+        self.user_agents.add(request.headers.get("User-Agent", ""))
         body = await request.read()
         injected = self._inject(operation)
         if injected is None and self._random is not None:

@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 import aioboto3
-from botocore.config import Config
 
+from server.aws import client_config
 from server.bus.base import Bus
 from server.coordination.dedup import Claim, Dedup
 from server.runtime.backoff import Backoff, Retrying
@@ -467,7 +467,7 @@ class _Steps:
 
 def sqs_client(region: str, endpoint_url: str | None, wait_seconds: int, pool: int) -> Any:
     """An aioboto3 SQS client (an async context manager) for long polls of ``wait_seconds``."""
-    config = Config(
+    config = client_config(
         connect_timeout=2,
         read_timeout=wait_seconds + 10,  # a long poll holds the request for up to wait s
         retries={"mode": "standard", "total_max_attempts": 1},  # our loop retries

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aioboto3
-from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from server.aws import client_config
 from server.coordination.lease import Lease, LeaseState
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Registry
@@ -240,7 +240,7 @@ class TableStreamReader:
     async def start(self) -> None:
         stack = contextlib.AsyncExitStack()
         session = aioboto3.Session()
-        config = Config(
+        config = client_config(
             connect_timeout=2,
             read_timeout=10,
             retries={"mode": "standard", "total_max_attempts": 1},  # our loops retry

@@ -23,6 +23,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from server.aws import client_config
 from server.runtime.backoff import Backoff
 from server.runtime.metrics import Registry
 from server.store import keys
@@ -103,8 +104,7 @@ _CONNECTIONS_PK_VALUE: dict[str, Any] = {":pk": {"S": keys.CONNECTIONS_PK}}
 
 
 def _client_config() -> Config:
-    # aiobotocore accepts a plain botocore Config (it wraps it in its AioConfig).
-    return Config(
+    return client_config(
         connect_timeout=CONNECT_TIMEOUT_SECONDS,
         read_timeout=READ_TIMEOUT_SECONDS,
         retries={"mode": "standard", "total_max_attempts": 1},
