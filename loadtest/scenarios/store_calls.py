@@ -34,6 +34,8 @@ from server.store.dynamodb import DynamoStore
 ROWS_PER_BATCH = 25
 """BatchWriteItem's limit, and what the connection-row write-behind sends a call."""
 
+WARMUP_CALLS_PER_CALLER = 10
+
 Call = Callable[[int], Awaitable[Any]]
 
 
@@ -69,9 +71,9 @@ async def run(calls: int, concurrency: int, rounds: int) -> dict[str, Any]:
     try:
         table = f"storecalls-{uuid.uuid4().hex[:8]}"
         await create_table(endpoint, table)
-        # Every touch of every round must write: a user of its own, lastSeen long past.
-        touches = calls * (rounds + 1)
-        users = [f"touch{i}" for i in range(touches)]
+        # Every touch must write: a user of its own, lastSeen long past.
+        warmup = concurrency * WARMUP_CALLS_PER_CALLER
+        users = [f"touch{i}" for i in range(warmup + calls * rounds)]
         await asyncio.to_thread(seed_users, endpoint, table, users)
         store = DynamoStore(table, FAKE_AWS["AWS_DEFAULT_REGION"], endpoint)
         await store.start()
@@ -100,7 +102,7 @@ async def run(calls: int, concurrency: int, rounds: int) -> dict[str, Any]:
         # The batch writes move 25 rows a call: fewer calls keep a round's moto time alike.
         counts = {name: calls // (5 if "Batch" in name else 1) for name in measured}
         for call in measured.values():  # warm up: the pool's connections open
-            await _cpu_per_call(call, concurrency * 10, concurrency)
+            await _cpu_per_call(call, warmup, concurrency)
         per_round: dict[str, list[float]] = {name: [] for name in measured}
         for _ in range(rounds):
             for name, call in measured.items():
@@ -127,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="callers at once")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.concurrency < 1 or args.rounds < 1:
+        parser.error("--concurrency and --rounds must be at least 1")
+    if args.calls < 5 * args.concurrency:
+        parser.error("--calls must be at least 5 x --concurrency (a batch write per caller)")
     results = asyncio.run(run(args.calls, args.concurrency, args.rounds))
     print_benchmark(parser.prog, argv, results)
     return 0
