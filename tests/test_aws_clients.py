@@ -44,7 +44,7 @@ async def test_the_store_the_stream_reader_and_the_sqs_bridge_send_the_node_user
             await running.subscribed("alice")  # its wsConnections row, written behind
             await eventually(
                 lambda: {"BatchWriteItem", "ReceiveMessage", "GetRecords"} <= set(proxy.operations),
-                10,
+                30,
                 "a connection row written, the queue polled and the stream read",
             )
     finally:

@@ -77,48 +77,57 @@ async def run(calls: int, concurrency: int, rounds: int) -> dict[str, Any]:
         await asyncio.to_thread(seed_users, endpoint, table, users)
         store = DynamoStore(table, FAKE_AWS["AWS_DEFAULT_REGION"], endpoint)
         await store.start()
-        now_ms = int(time.time() * 1000)
-        next_user = 0
-
-        async def touch(_: int) -> None:
-            nonlocal next_user
-            user = users[next_user]
-            next_user += 1
-            assert await store.touch_last_seen(user, now_ms), f"{user}'s lastSeen not written"
-
-        async def batch_write(index: int) -> None:
-            round_id = uuid.uuid4().hex[:6]
-            rows = [_row(round_id, index * ROWS_PER_BATCH + i) for i in range(ROWS_PER_BATCH)]
-            await store.write_connections(rows, ())
-
-        async def get_item(index: int) -> None:
-            await store.get_connection(f"missing-{index}")
-
-        measured: dict[str, Call] = {
-            "UpdateItem (lastSeen, written)": touch,
-            f"BatchWriteItem ({ROWS_PER_BATCH} wsConnections rows)": batch_write,
-            "GetItem": get_item,
-        }
-        # The batch writes move 25 rows a call: fewer calls keep a round's moto time alike.
-        counts = {name: calls // (5 if "Batch" in name else 1) for name in measured}
-        for call in measured.values():  # warm up: the pool's connections open
-            await _cpu_per_call(call, warmup, concurrency)
-        per_round: dict[str, list[float]] = {name: [] for name in measured}
-        for _ in range(rounds):
-            for name, call in measured.items():
-                cpu = await _cpu_per_call(call, counts[name], concurrency)
-                per_round[name].append(round(cpu, 1))
-        await store.close()
-        return {
-            "calls_per_round": counts,
-            "concurrency": concurrency,
-            "cpu_us_per_call": per_round,
-            "cpu_us_per_call_median": {
-                name: statistics.median(values) for name, values in per_round.items()
-            },
-        }
+        try:
+            return await _measure(store, users, calls, concurrency, rounds)
+        finally:
+            await store.close()
     finally:
         moto.stop()
+
+
+async def _measure(
+    store: DynamoStore, users: list[str], calls: int, concurrency: int, rounds: int
+) -> dict[str, Any]:
+    warmup = concurrency * WARMUP_CALLS_PER_CALLER
+    now_ms = int(time.time() * 1000)
+    next_user = 0
+
+    async def touch(_: int) -> None:
+        nonlocal next_user
+        user = users[next_user]
+        next_user += 1
+        assert await store.touch_last_seen(user, now_ms), f"{user}'s lastSeen not written"
+
+    async def batch_write(index: int) -> None:
+        round_id = uuid.uuid4().hex[:6]
+        rows = [_row(round_id, index * ROWS_PER_BATCH + i) for i in range(ROWS_PER_BATCH)]
+        await store.write_connections(rows, ())
+
+    async def get_item(index: int) -> None:
+        await store.get_connection(f"missing-{index}")
+
+    measured: dict[str, Call] = {
+        "UpdateItem (lastSeen, written)": touch,
+        f"BatchWriteItem ({ROWS_PER_BATCH} wsConnections rows)": batch_write,
+        "GetItem": get_item,
+    }
+    # The batch writes move 25 rows a call: fewer calls keep a round's moto time alike.
+    counts = {name: calls // (5 if "Batch" in name else 1) for name in measured}
+    for call in measured.values():  # warm up: the pool's connections open
+        await _cpu_per_call(call, warmup, concurrency)
+    per_round: dict[str, list[float]] = {name: [] for name in measured}
+    for _ in range(rounds):
+        for name, call in measured.items():
+            cpu = await _cpu_per_call(call, counts[name], concurrency)
+            per_round[name].append(round(cpu, 1))
+    return {
+        "calls_per_round": counts,
+        "concurrency": concurrency,
+        "cpu_us_per_call": per_round,
+        "cpu_us_per_call_median": {
+            name: statistics.median(values) for name, values in per_round.items()
+        },
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
