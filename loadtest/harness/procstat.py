@@ -2,16 +2,38 @@
 
 The same readers serve our server, the baseline, Redis and the generator's own
 processes, so every CPU figure in a run is measured the same way: user plus
-system time the kernel charged to that process, never wall time.
+system time the kernel charged to that process, never wall time. The stand-alone
+benchmarks measure this process's own CPU per call with ``cpu_us_per_call``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 _TICKS = os.sysconf("SC_CLK_TCK")
+
+
+async def cpu_us_per_call(
+    call: Callable[[int], Awaitable[Any]], calls: int, concurrency: int
+) -> float:
+    """Microseconds of this process's CPU (user + system) per ``call(i)``, with
+    ``concurrency`` callers at once, each making ``calls // concurrency`` calls;
+    ``i`` numbers the calls of the whole measure."""
+    per_task = calls // concurrency
+
+    async def caller(index: int) -> None:
+        for i in range(per_task):
+            await call(index * per_task + i)
+
+    started = time.process_time()
+    await asyncio.gather(*(caller(i) for i in range(concurrency)))
+    return (time.process_time() - started) / (per_task * concurrency) * 1e6
 
 
 def cpu_seconds(pid: int) -> float:

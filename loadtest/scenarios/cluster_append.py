@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
+from loadtest.harness.procstat import cpu_us_per_call
 from loadtest.harness.redis_cluster import start_redis_cluster
 from loadtest.harness.servers import start_redis
 from loadtest.report.summary import print_benchmark
@@ -33,17 +33,13 @@ GAMES = 200
 
 async def _cpu_per_event(streams: RedisStreams, events: int, concurrency: int) -> float:
     """Microseconds of this process's CPU per appended game event."""
-    per_task = events // concurrency
     body = b"x" * 200
 
-    async def publisher(index: int) -> None:
-        for i in range(per_task):
-            game = f"game:bench#{(index * per_task + i) % GAMES}"
-            await streams.append(game, body, (game, ALL_GAMES))
+    async def publish(index: int) -> None:
+        game = f"game:bench#{index % GAMES}"
+        await streams.append(game, body, (game, ALL_GAMES))
 
-    started = time.process_time()
-    await asyncio.gather(*(publisher(i) for i in range(concurrency)))
-    return (time.process_time() - started) / (per_task * concurrency) * 1e6
+    return await cpu_us_per_call(publish, events, concurrency)
 
 
 async def run(events: int, concurrency: int, rounds: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from loadtest.harness.procstat import cpu_us_per_call
 from loadtest.harness.servers import FAKE_AWS, create_table, start_moto
 from loadtest.report.summary import print_benchmark
 from loadtest.scenarios.connect_storm import seed_users
@@ -37,19 +38,6 @@ ROWS_PER_BATCH = 25
 WARMUP_CALLS_PER_CALLER = 10
 
 Call = Callable[[int], Awaitable[Any]]
-
-
-async def _cpu_per_call(call: Call, calls: int, concurrency: int) -> float:
-    """Microseconds of this process's CPU per ``call(i)``, ``concurrency`` at once."""
-    per_task = calls // concurrency
-
-    async def caller(index: int) -> None:
-        for i in range(per_task):
-            await call(index * per_task + i)
-
-    started = time.process_time()
-    await asyncio.gather(*(caller(i) for i in range(concurrency)))
-    return (time.process_time() - started) / (per_task * concurrency) * 1e6
 
 
 def _row(round_id: str, index: int) -> ConnectionRecord:
@@ -114,11 +102,11 @@ async def _measure(
     # The batch writes move 25 rows a call: fewer calls keep a round's moto time alike.
     counts = {name: calls // (5 if "Batch" in name else 1) for name in measured}
     for call in measured.values():  # warm up: the pool's connections open
-        await _cpu_per_call(call, warmup, concurrency)
+        await cpu_us_per_call(call, warmup, concurrency)
     per_round: dict[str, list[float]] = {name: [] for name in measured}
     for _ in range(rounds):
         for name, call in measured.items():
-            cpu = await _cpu_per_call(call, counts[name], concurrency)
+            cpu = await cpu_us_per_call(call, counts[name], concurrency)
             per_round[name].append(round(cpu, 1))
     return {
         "calls_per_round": counts,
