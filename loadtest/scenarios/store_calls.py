@@ -37,6 +37,10 @@ ROWS_PER_BATCH = 25
 
 WARMUP_CALLS_PER_CALLER = 10
 
+BATCH_CALLS_DIVISOR = 5
+"""A round makes ``--calls`` single-item calls and a fifth as many batch writes (25 rows
+each): a round's moto time stays alike."""
+
 Call = Callable[[int], Awaitable[Any]]
 
 
@@ -66,7 +70,7 @@ async def run(calls: int, concurrency: int, rounds: int) -> dict[str, Any]:
         store = DynamoStore(table, FAKE_AWS["AWS_DEFAULT_REGION"], endpoint)
         await store.start()
         try:
-            return await _measure(store, users, calls, concurrency, rounds)
+            return await _measure(store, users, warmup, calls, concurrency, rounds)
         finally:
             await store.close()
     finally:
@@ -74,9 +78,8 @@ async def run(calls: int, concurrency: int, rounds: int) -> dict[str, Any]:
 
 
 async def _measure(
-    store: DynamoStore, users: list[str], calls: int, concurrency: int, rounds: int
+    store: DynamoStore, users: list[str], warmup: int, calls: int, concurrency: int, rounds: int
 ) -> dict[str, Any]:
-    warmup = concurrency * WARMUP_CALLS_PER_CALLER
     now_ms = int(time.time() * 1000)
     next_user = 0
 
@@ -94,22 +97,23 @@ async def _measure(
     async def get_item(index: int) -> None:
         await store.get_connection(f"missing-{index}")
 
-    measured: dict[str, Call] = {
-        "UpdateItem (lastSeen, written)": touch,
-        f"BatchWriteItem ({ROWS_PER_BATCH} wsConnections rows)": batch_write,
-        "GetItem": get_item,
+    measured: dict[str, tuple[Call, int]] = {
+        "UpdateItem (lastSeen, written)": (touch, calls),
+        f"BatchWriteItem ({ROWS_PER_BATCH} wsConnections rows)": (
+            batch_write,
+            calls // BATCH_CALLS_DIVISOR,
+        ),
+        "GetItem": (get_item, calls),
     }
-    # The batch writes move 25 rows a call: fewer calls keep a round's moto time alike.
-    counts = {name: calls // (5 if "Batch" in name else 1) for name in measured}
-    for call in measured.values():  # warm up: the pool's connections open
+    for call, _ in measured.values():  # warm up: the pool's connections open
         await cpu_us_per_call(call, warmup, concurrency)
     per_round: dict[str, list[float]] = {name: [] for name in measured}
     for _ in range(rounds):
-        for name, call in measured.items():
-            cpu = await cpu_us_per_call(call, counts[name], concurrency)
+        for name, (call, count) in measured.items():
+            cpu = await cpu_us_per_call(call, count, concurrency)
             per_round[name].append(round(cpu, 1))
     return {
-        "calls_per_round": counts,
+        "calls_per_round": {name: count for name, (_, count) in measured.items()},
         "concurrency": concurrency,
         "cpu_us_per_call": per_round,
         "cpu_us_per_call_median": {
@@ -128,8 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.rounds < 1:
         parser.error("--concurrency and --rounds must be at least 1")
-    if args.calls < 5 * args.concurrency:
-        parser.error("--calls must be at least 5 x --concurrency (a batch write per caller)")
+    if args.calls < BATCH_CALLS_DIVISOR * args.concurrency:
+        parser.error(
+            f"--calls must be at least {BATCH_CALLS_DIVISOR} x --concurrency "
+            "(a batch write per caller)"
+        )
     results = asyncio.run(run(args.calls, args.concurrency, args.rounds))
     print_benchmark(parser.prog, argv, results)
     return 0
