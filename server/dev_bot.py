@@ -13,6 +13,7 @@ import time
 
 import aioboto3
 
+from server.aws import client_config
 from server.store import records as r
 from server.store.base import BOT_CANDIDATE_TTL_SECONDS, BotRecord, CurrentGame, StoreUnavailable
 from server.store.memory import MemoryStore
@@ -89,7 +90,7 @@ async def seed_dynamodb(
     now_ms = int(time.time() * 1000)
     try:
         async with aioboto3.Session().client(
-            "dynamodb", endpoint_url=endpoint_url, region_name=region
+            "dynamodb", endpoint_url=endpoint_url, region_name=region, config=client_config()
         ) as client:
             for item in _typed_items(client_id, now_ms):
                 await client.put_item(TableName=table, Item=item)

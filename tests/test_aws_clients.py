@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from server import __version__
+from server.dev_bot import seed_dynamodb
 from tests.conftest import TEST_SETTINGS, new_table, run_server
 from tests.queues import new_queue
 from tests.services import DynamoFaultProxy
@@ -53,3 +54,19 @@ async def test_the_store_the_stream_reader_and_the_sqs_bridge_send_the_node_user
     assert agent.startswith(f"ap-realtime/{__version__} "), agent
     # Not the one botocore assembles afresh for each request.
     assert "ua/" not in agent and "lang/python" not in agent, agent
+
+
+async def test_seed_bot_sends_the_same_user_agent(dynamodb_endpoint: str) -> None:
+    """``ap-realtime seed-bot`` writes to the same table: its requests carry the
+    header too, so one CloudTrail filter finds everything this project sent."""
+    table = await new_table(dynamodb_endpoint)
+    proxy = DynamoFaultProxy(dynamodb_endpoint)
+    await proxy.start()
+    try:
+        meta, game = await seed_dynamodb(proxy.endpoint, table, "us-east-1", "ua-bot")
+    finally:
+        await proxy.stop()
+    assert (meta, game) == ("chess", "dev-game-ua-bot")
+    assert set(proxy.operations) == {"PutItem"}
+    (agent,) = proxy.user_agents
+    assert agent.startswith(f"ap-realtime/{__version__} "), agent
