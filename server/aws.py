@@ -1,4 +1,5 @@
-"""Settings every AWS client of a node shares (DynamoDB, its stream, SQS)."""
+"""Settings every AWS client of a node shares (DynamoDB, its stream, SQS), and
+``ap-realtime seed-bot``'s."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every AWS client of a node sends the node's fixed ``User-Agent`` (``server/aws.py``).
+"""Every AWS client of a node, and ``seed-bot``'s, sends the fixed ``User-Agent``
+(``server/aws.py``).
 
 Seen from outside: a node whose store, notification stream and SQS bridge all
 talk to moto through ``DynamoFaultProxy``, which records each request's header.
