@@ -215,6 +215,49 @@ async def test_a_signal_during_start_up_stops_it_at_once_and_leaks_nothing(
     assert process.returncode == 0, output
 
 
+async def test_usr1_and_usr2_show_what_a_node_waits_for_and_it_serves_on() -> None:
+    """The operator's (and the cluster harness's) look into a node that will not stop:
+    ``kill -USR1`` writes its asyncio tasks with their stacks, ``kill -USR2`` its threads."""
+    process = await asyncio.create_subprocess_exec(
+        *SERVE_ANY_PORT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    assert process.stdout is not None
+    stdout = process.stdout
+    lines: list[str] = []
+
+    async def read_until(marker: str) -> list[str]:
+        start = len(lines)
+        while not lines or marker not in lines[-1]:
+            line = (await stdout.readline()).decode()
+            assert line, "".join(lines)  # it exited instead
+            lines.append(line)
+        return lines[start:]
+
+    try:
+        async with asyncio.timeout(60):  # however slowly a loaded machine starts it
+            await read_until("ws://")
+            process.send_signal(signal.SIGUSR1)
+            dump = await read_until("--- end of tasks ---")
+            process.send_signal(signal.SIGUSR2)
+            threads = await read_until("File ")  # the first frame of the first thread
+        header = re.search(r"--- (\d+) asyncio tasks ---", "".join(dump))
+        assert header is not None, "".join(dump)
+        named = [line for line in dump if line.startswith("task ")]
+        assert len(named) == int(header.group(1)) > 0, "".join(dump)
+        assert any("Stack for" in line for line in dump), "".join(dump)
+        assert any("most recent call first" in line for line in threads), "".join(threads)
+        # Neither signal stopped it: SIGTERM still drains and exits cleanly.
+        process.send_signal(signal.SIGTERM)
+        rest, _ = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    output = "".join(lines) + rest.decode()
+    assert process.returncode == 0, output
+    assert "Traceback" not in output, output
+
+
 def test_version_is_the_packages() -> None:
     result = run_cli("--version")
     assert result.returncode == 0, result.stderr
