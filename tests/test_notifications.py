@@ -270,3 +270,21 @@ async def test_a_failed_checkpoint_and_a_failed_listing_lose_and_repeat_nothing(
             assert tab.offsets("user:alice") == [1, 2]
     finally:
         await proxy.stop()
+
+
+async def test_a_row_no_client_could_decode_is_counted_and_the_next_one_still_arrives(
+    pushing: RunningServer, raw: Any, stream_table: str
+) -> None:
+    """A number DynamoDB holds (38 digits) but msgpack cannot (over 64 bits): retrying
+    cannot fix it, so it is counted and skipped like a poison message, not retried
+    forever in front of every later notification."""
+    tab = await pushing.subscribed("alice", since={})
+    put_notification(raw, stream_table, "alice", 2**70)
+    put_notification(raw, stream_table, "alice", 2)
+    await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
+    await tab.barrier()
+    assert numbers(tab) == [2]
+    assert tab.offsets("user:alice") == [1]
+    metrics = pushing.node.metrics
+    assert metrics.value("ap_notifications_unpushable_total") == 1
+    assert metrics.value("ap_stream_reader_failures_total") == 0
