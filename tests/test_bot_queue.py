@@ -452,9 +452,9 @@ async def test_challenges_by_webhook_go_to_the_webhook_even_for_a_connected_bot(
 async def test_a_refused_forward_and_a_refused_hand_back_still_forward_once(
     dynamodb_endpoint: str,
 ) -> None:
-    """SQS refuses the forward, then the hand-back of the message (its visibility
-    reset): the message waits out its visibility timeout, comes back, and is
-    forwarded once, by the way chosen the first time."""
+    """SQS refuses the forward of a message for an offline bot, then the hand-back of
+    that message (a reset of its visibility): it waits out its visibility timeout,
+    comes back, and is forwarded once."""
     queue = new_queue(dynamodb_endpoint, "bot-outbound")
     forward = new_queue(dynamodb_endpoint, "bot-webhook", fifo=True)
     store = MemoryStore()
