@@ -18,6 +18,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import jwt
+from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 import server
@@ -235,11 +236,15 @@ async def test_usr1_and_usr2_show_what_a_node_waits_for_and_it_serves_on() -> No
 
     try:
         async with asyncio.timeout(60):  # however slowly a loaded machine starts it
-            await read_until("ws://")
+            listening = await read_until("ws://")
             process.send_signal(signal.SIGUSR1)
             dump = await read_until("--- end of tasks ---")
             process.send_signal(signal.SIGUSR2)
             threads = await read_until("File ")  # the first frame of the first thread
+            address = re.search(r"ws://[0-9.]+:[0-9]+", listening[-1])
+            assert address is not None, listening[-1]
+            async with connect(address.group(0) + "/") as socket:
+                await (await socket.ping())  # it still takes connections and answers
         header = re.search(r"--- (\d+) asyncio tasks ---", "".join(dump))
         assert header is not None, "".join(dump)
         named = [line for line in dump if line.startswith("task ")]
