@@ -19,13 +19,18 @@ from typing import Any
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def calls_made(calls: int, concurrency: int) -> int:
+    """How many of ``calls`` :func:`cpu_us_per_call` makes: as many for every caller."""
+    return calls // concurrency * concurrency
+
+
 async def cpu_us_per_call(
     call: Callable[[int], Awaitable[Any]], calls: int, concurrency: int
 ) -> float:
     """Microseconds of this process's CPU (user + system) per ``call(i)``, with
-    ``concurrency`` callers at once, each making ``calls // concurrency`` calls;
+    ``concurrency`` callers at once, making :func:`calls_made` calls in all;
     ``i`` numbers the calls of the whole measure."""
-    per_task = calls // concurrency
+    per_task = calls_made(calls, concurrency) // concurrency
 
     async def caller(index: int) -> None:
         for i in range(per_task):

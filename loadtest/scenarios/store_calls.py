@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from loadtest.harness.procstat import cpu_us_per_call
+from loadtest.harness.procstat import calls_made, cpu_us_per_call
 from loadtest.harness.servers import FAKE_AWS, create_table, start_moto
 from loadtest.report.summary import print_benchmark
 from loadtest.scenarios.connect_storm import seed_users
@@ -97,17 +97,13 @@ async def _measure(
     async def get_item(index: int) -> None:
         await store.get_connection(f"missing-{index}")
 
-    def each_caller_alike(count: int) -> int:
-        # What cpu_us_per_call makes: the same number of calls for every caller.
-        return count // concurrency * concurrency
-
     measured: dict[str, tuple[Call, int]] = {
-        "UpdateItem (lastSeen, written)": (touch, each_caller_alike(calls)),
+        "UpdateItem (lastSeen, written)": (touch, calls_made(calls, concurrency)),
         f"BatchWriteItem ({ROWS_PER_BATCH} wsConnections rows)": (
             batch_write,
-            each_caller_alike(calls // BATCH_CALLS_DIVISOR),
+            calls_made(calls // BATCH_CALLS_DIVISOR, concurrency),
         ),
-        "GetItem": (get_item, each_caller_alike(calls)),
+        "GetItem": (get_item, calls_made(calls, concurrency)),
     }
     for call, _ in measured.values():  # warm up: the pool's connections open
         await cpu_us_per_call(call, warmup, concurrency)
