@@ -27,7 +27,12 @@ from server.store.base import Store
 from server.store.dynamodb import create_table
 from server.wiring import build_node
 from tests.client import DEV_SECRET, Client
-from tests.services import RedisServer, dynamodb_endpoint_for_tests, start_redis_server
+from tests.services import (
+    DynamoFaultProxy,
+    RedisServer,
+    dynamodb_endpoint_for_tests,
+    start_redis_server,
+)
 
 PUBLISH_SECRET = "publish-secret-for-tests"
 TEST_REGION = "us-east-1"
@@ -306,6 +311,18 @@ def dynamodb_endpoint() -> Iterator[str]:
     """A DynamoDB endpoint: ``AP_TEST_DYNAMODB_ENDPOINT`` or a moto server for the session."""
     with dynamodb_endpoint_for_tests() as endpoint:
         yield endpoint
+
+
+@pytest.fixture
+async def dynamodb_proxy(dynamodb_endpoint: str) -> AsyncIterator[DynamoFaultProxy]:
+    """A :class:`DynamoFaultProxy` in front of ``dynamodb_endpoint`` (and its SQS and
+    DynamoDB Streams): faults on demand, and a record of the requests through it."""
+    proxy = DynamoFaultProxy(dynamodb_endpoint)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
 
 
 @pytest.fixture(scope="session")

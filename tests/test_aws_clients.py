@@ -57,16 +57,14 @@ async def test_the_store_the_stream_reader_and_the_sqs_bridge_send_the_node_user
     assert "ua/" not in agent and "lang/python" not in agent, agent
 
 
-async def test_seed_bot_sends_the_same_user_agent(dynamodb_endpoint: str) -> None:
+async def test_seed_bot_sends_the_same_user_agent(
+    dynamodb_endpoint: str, dynamodb_proxy: DynamoFaultProxy
+) -> None:
     """``ap-realtime seed-bot`` writes to the same table: its requests carry the
     header too, so one CloudTrail filter finds everything this project sent."""
     table = await new_table(dynamodb_endpoint)
-    proxy = DynamoFaultProxy(dynamodb_endpoint)
-    await proxy.start()
-    try:
-        meta, game = await seed_dynamodb(proxy.endpoint, table, "us-east-1", "ua-bot")
-    finally:
-        await proxy.stop()
+    proxy = dynamodb_proxy
+    meta, game = await seed_dynamodb(proxy.endpoint, table, "us-east-1", "ua-bot")
     assert (meta, game) == ("chess", "dev-game-ua-bot")
     assert set(proxy.operations) == {"PutItem"}
     (agent,) = proxy.user_agents

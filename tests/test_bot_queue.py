@@ -450,7 +450,7 @@ async def test_challenges_by_webhook_go_to_the_webhook_even_for_a_connected_bot(
 
 
 async def test_a_refused_forward_and_a_refused_hand_back_still_forward_once(
-    dynamodb_endpoint: str,
+    dynamodb_endpoint: str, dynamodb_proxy: DynamoFaultProxy
 ) -> None:
     """SQS refuses the forward of a message for an offline bot, then the hand-back of
     that message (a reset of its visibility): it waits out its visibility timeout,
@@ -459,25 +459,21 @@ async def test_a_refused_forward_and_a_refused_hand_back_still_forward_once(
     forward = new_queue(dynamodb_endpoint, "bot-webhook", fifo=True)
     store = MemoryStore()
     store.put_bot(BotRecord(client_id=BOT, name=BOT, owner="owner-1"))
-    proxy = DynamoFaultProxy(dynamodb_endpoint)
-    await proxy.start()
-    try:
-        settings = bridge_settings(proxy.endpoint, queue, forward)
-        async with run_server(settings, store) as server:
-            # Errors botocore does not retry, so the bridge sees each of them.
-            proxy.fail_operation("SendMessage", 1, "InvalidParameterValue", 400)
-            proxy.fail_operation("ChangeMessageVisibilityBatch", 1, "InvalidParameterValue", 400)
-            body = json.dumps(move(BOT, "g-refused"))
-            await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
-            await eventually_in_thread(
-                lambda: depth(dynamodb_endpoint, queue) == 0, 30, "a drained queue"
-            )
-            assert await asyncio.to_thread(drain_bodies, dynamodb_endpoint, forward) == [body]
-            assert proxy.injected == {"InvalidParameterValue": 2}
-            metrics = server.node.metrics
-            assert metrics.value("ap_bot_queue_errors_total") >= 2
-            assert metrics.value("ap_bot_queue_forwarded_total") == 1
-            # Twice at least: a loaded machine may let its visibility lapse once more.
-            assert metrics.value("ap_bot_queue_messages_received_total") >= 2
-    finally:
-        await proxy.stop()
+    proxy = dynamodb_proxy
+    settings = bridge_settings(proxy.endpoint, queue, forward)
+    async with run_server(settings, store) as server:
+        # Errors botocore does not retry, so the bridge sees each of them.
+        proxy.fail_operation("SendMessage", 1, "InvalidParameterValue", 400)
+        proxy.fail_operation("ChangeMessageVisibilityBatch", 1, "InvalidParameterValue", 400)
+        body = json.dumps(move(BOT, "g-refused"))
+        await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+        await eventually_in_thread(
+            lambda: depth(dynamodb_endpoint, queue) == 0, 30, "a drained queue"
+        )
+        assert await asyncio.to_thread(drain_bodies, dynamodb_endpoint, forward) == [body]
+        assert proxy.injected == {"InvalidParameterValue": 2}
+        metrics = server.node.metrics
+        assert metrics.value("ap_bot_queue_errors_total") >= 2
+        assert metrics.value("ap_bot_queue_forwarded_total") == 1
+        # Twice at least: a loaded machine may let its visibility lapse once more.
+        assert metrics.value("ap_bot_queue_messages_received_total") >= 2

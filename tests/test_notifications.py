@@ -238,38 +238,34 @@ async def test_after_a_restart_the_checkpoint_resumes_where_it_stopped(
 
 
 async def test_a_failed_checkpoint_and_a_failed_listing_lose_and_repeat_nothing(
-    dynamodb_endpoint: str, raw: Any, stream_table: str
+    dynamodb_proxy: DynamoFaultProxy, raw: Any, stream_table: str
 ) -> None:
     """DynamoDB refuses the checkpoint written after a record was pushed, then the
     shard listing of the next round: the reader starts its term again and reads the
     shard from before that record. The record is read twice and pushed once."""
-    proxy = DynamoFaultProxy(dynamodb_endpoint)
-    await proxy.start()
-    try:
-        async with run_server(settings_for(proxy.endpoint, stream_table)) as running:
-            await reading(running)
-            tab = await running.subscribed("alice", since={})
-            # Errors the clients do not retry, so the reader sees them.
-            proxy.fail_operation("PutItem", 1, "ValidationException", 400)
-            proxy.fail_operation("DescribeStream", 1, "ValidationException", 400)
-            put_notification(raw, stream_table, "alice", 1)
-            await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
-            metrics = running.node.metrics
-            await eventually(
-                lambda: metrics.value("ap_notifications_repeated_total") >= 1,
-                30,
-                "the record read again after the new term",
-            )
-            assert proxy.injected == {"ValidationException": 2}
-            # One for the shard whose checkpoint failed, one for the term's listing.
-            assert metrics.value("ap_stream_reader_failures_total") >= 2
-            put_notification(raw, stream_table, "alice", 2)
-            await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=10)
-            await tab.barrier()
-            assert numbers(tab) == [1, 2]
-            assert tab.offsets("user:alice") == [1, 2]
-    finally:
-        await proxy.stop()
+    proxy = dynamodb_proxy
+    async with run_server(settings_for(proxy.endpoint, stream_table)) as running:
+        await reading(running)
+        tab = await running.subscribed("alice", since={})
+        # Errors the clients do not retry, so the reader sees them.
+        proxy.fail_operation("PutItem", 1, "ValidationException", 400)
+        proxy.fail_operation("DescribeStream", 1, "ValidationException", 400)
+        put_notification(raw, stream_table, "alice", 1)
+        await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
+        metrics = running.node.metrics
+        await eventually(
+            lambda: metrics.value("ap_notifications_repeated_total") >= 1,
+            30,
+            "the record read again after the new term",
+        )
+        assert proxy.injected == {"ValidationException": 2}
+        # One for the shard whose checkpoint failed, one for the term's listing.
+        assert metrics.value("ap_stream_reader_failures_total") >= 2
+        put_notification(raw, stream_table, "alice", 2)
+        await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=10)
+        await tab.barrier()
+        assert numbers(tab) == [1, 2]
+        assert tab.offsets("user:alice") == [1, 2]
 
 
 async def test_a_row_no_client_could_decode_is_counted_and_the_next_one_still_arrives(
