@@ -16,7 +16,10 @@ under test is pointed at the proxy instead of the real service.
 - ``cut_after(pattern)``: the next client chunk holding ``pattern`` is
   forwarded, and then its client connection is reset before any reply comes
   back: the command ran, its caller never heard so (the case that makes a
-  client library resend a pipeline).
+  client library resend a pipeline);
+- ``cut_before(pattern)``: the next client chunk holding ``pattern`` is
+  dropped and its connection reset: the command never ran, and its caller
+  knows it failed, while the proxy's other connections carry on.
 
 :class:`DynamoFaultProxy` speaks the AWS JSON protocol generically (DynamoDB,
 SQS, DynamoDB Streams) and injects errors, throttling, latency and lost
@@ -113,6 +116,10 @@ class _Link:
                 queue.popleft()
                 if not upstream and self.closed:
                     return
+                if upstream and proxy._take(proxy._drop_patterns, data):
+                    proxy.cuts_before_write += 1
+                    self.reset()
+                    return
                 if proxy.requests is not None:
                     if not upstream:
                         self.awaiting_reply = False
@@ -123,7 +130,7 @@ class _Link:
                         proxy.requests.append(bytearray(data))
                 writer.write(data)
                 await writer.drain()
-                if upstream and proxy._take_cut(data):
+                if upstream and proxy._take(proxy._cut_patterns, data):
                     # The command reached the server; its caller never hears back.
                     proxy.cuts_after_write += 1
                     self.reset_client()
@@ -172,7 +179,9 @@ class TcpFaultProxy:
         self.port = port
         self.latency = 0.0
         self.cuts_after_write = 0
+        self.cuts_before_write = 0
         self._cut_patterns: list[bytes] = []
+        self._drop_patterns: list[bytes] = []
         self._passable = asyncio.Event()
         self._passable.set()
         self._replies_passable = asyncio.Event()
@@ -238,10 +247,16 @@ class TcpFaultProxy:
         and each one's connection is then reset before its reply."""
         self._cut_patterns.extend([pattern] * count)
 
-    def _take_cut(self, data: bytes) -> bool:
-        for index, pattern in enumerate(self._cut_patterns):
+    def cut_before(self, pattern: bytes, count: int = 1) -> None:
+        """The next ``count`` client chunks holding ``pattern`` never reach the
+        server: each one's connection is reset instead."""
+        self._drop_patterns.extend([pattern] * count)
+
+    @staticmethod
+    def _take(patterns: list[bytes], data: bytes) -> bool:
+        for index, pattern in enumerate(patterns):
             if pattern in data:
-                del self._cut_patterns[index]
+                del patterns[index]
                 return True
         return False
 

@@ -14,9 +14,11 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
+from loadtest.harness.faults import TcpFaultProxy
 from loadtest.harness.redis_cluster import RedisCluster
 from protocol.envelope import PresenceHint, decode_envelope
 from protocol.messages import PresenceDelta
+from server.bus.base import BusDown
 from server.bus.redis_bus import BusUnavailable, RedisBus
 from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.topics import PRESENCE, PRESENCE_HINTS
@@ -120,6 +122,60 @@ async def test_reconnect_callbacks_run_before_any_new_message(
         await publisher.publish("t", b"last")
         await eventually(lambda: "last" in order, 5, "the bus back")
         assert order.index("reconnected") == 0
+    finally:
+        await bus.close()
+
+
+async def test_a_publish_lost_on_its_way_while_the_subscriber_holds(
+    redis_proxy: TcpFaultProxy,
+) -> None:
+    """The bus is attached, but a publish's own connection fails, and so does
+    redis-py's one retry. By default the message still reaches this node's
+    subscribers, and only them, counted; a caller that must reach the cluster
+    hears ``BusDown`` and nothing is delivered anywhere."""
+    inbox, metrics = Inbox(), Registry()
+    bus = RedisBus(redis_proxy.url, metrics=metrics)
+    await bus.start(inbox)
+    try:
+        await bus.subscribe(["t"])
+        redis_proxy.cut_before(b"PUBLISH", 2)
+        await bus.publish("t", b"here only")
+        assert redis_proxy.cuts_before_write == 2
+        assert bus.connected  # the subscriber's connection was never touched
+        await eventually(lambda: inbox.on("t") == [b"here only"], 5, "local delivery")
+        assert metrics.value("ap_bus_local_only_publishes_total") == 1
+
+        redis_proxy.cut_before(b"PUBLISH", 2)
+        with pytest.raises(BusDown):
+            await bus.publish("t", b"nowhere", local_fallback=False)
+        # Through Redis again; had "nowhere" gone anywhere, it would come first.
+        await bus.publish("t", b"through Redis", local_fallback=False)
+        await eventually(lambda: len(inbox.on("t")) == 2, 5, "the next publish")
+        assert inbox.on("t") == [b"here only", b"through Redis"]
+        assert metrics.value("ap_bus_local_only_publishes_total") == 1
+    finally:
+        await bus.close()
+
+
+async def test_a_subscription_redis_is_slow_to_confirm_is_kept_and_served(
+    redis_proxy: TcpFaultProxy, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis takes the ``SUBSCRIBE`` but its answers are held past the confirm
+    timeout: the caller is not failed (a slow Redis is not a refused topic), the
+    operator is told, the topic stays subscribed, and its messages arrive once
+    Redis answers again."""
+    monkeypatch.setattr("server.redis.subscriber.CONFIRM_TIMEOUT_S", 0.3)
+    inbox = Inbox()
+    bus = RedisBus(redis_proxy.url)
+    await bus.start(inbox)
+    try:
+        redis_proxy.hold_replies()
+        await asyncio.wait_for(bus.subscribe(["slow"]), 5)
+        assert bus.connected
+        assert "Redis did not confirm a subscription" in caplog.text
+        redis_proxy.heal()
+        await bus.publish("slow", b"after the confirm", local_fallback=False)
+        await eventually(lambda: inbox.on("slow") == [b"after the confirm"], 5, "delivery")
     finally:
         await bus.close()
 
