@@ -477,3 +477,48 @@ async def test_a_refused_forward_and_a_refused_hand_back_still_forward_once(
         assert metrics.value("ap_bot_queue_forwarded_total") == 1
         # Twice at least: a loaded machine may let its visibility lapse once more.
         assert metrics.value("ap_bot_queue_messages_received_total") >= 2
+
+
+async def test_a_refused_candidate_write_hands_the_batch_back_undelivered(
+    dynamodb_endpoint: str, dynamodb_proxy: DynamoFaultProxy
+) -> None:
+    """DynamoDB refuses the ``BOTTURNS#`` candidate write of a move for an offline
+    bot. Nothing of that batch is forwarded (a bot connecting after a forward must
+    find its turn in ``pendingTurns``): the message comes back after its
+    visibility timeout, its candidate is written, and it is forwarded once."""
+    table = await new_table(dynamodb_endpoint)
+    raw = boto3.client("dynamodb", endpoint_url=dynamodb_endpoint, region_name=TEST_REGION)
+    raw.put_item(
+        TableName=table,
+        Item={"pk": {"S": "BOT"}, "sk": {"S": BOT}, "name": {"S": BOT}, "owner": {"S": "o"}},
+    )
+    queue = new_queue(dynamodb_endpoint, "bot-outbound")
+    forward = new_queue(dynamodb_endpoint, "bot-webhook", fifo=True)
+    settings = dataclasses.replace(
+        bridge_settings(dynamodb_endpoint, queue, forward),
+        store="dynamodb",
+        dynamodb_endpoint=dynamodb_proxy.endpoint,
+        table=table,
+    )
+    async with run_server(settings) as server:
+        # Not a transient error: the store gives up at once, so the bridge sees it.
+        dynamodb_proxy.fail_operation("BatchWriteItem", 1, "AccessDeniedException", 400)
+        body = json.dumps(move(BOT, "g-refused"))
+        await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+        await eventually_in_thread(
+            lambda: depth(dynamodb_endpoint, queue) == 0, 30, "a drained queue"
+        )
+        assert await asyncio.to_thread(drain_bodies, dynamodb_endpoint, forward) == [body]
+        assert dynamodb_proxy.injected == {"AccessDeniedException": 1}
+        assert dynamodb_proxy.count("BatchWriteItem") == 2  # refused, then written
+        candidates = raw.query(
+            TableName=table,
+            KeyConditionExpression="pk = :pk",
+            ExpressionAttributeValues={":pk": {"S": f"BOTTURNS#{BOT}"}},
+        )["Items"]
+        assert [item["sk"]["S"] for item in candidates] == ["g-refused"]
+        metrics = server.node.metrics
+        assert metrics.value("ap_bot_queue_errors_total") >= 1
+        assert metrics.value("ap_bot_queue_candidates_total") == 1
+        assert metrics.value("ap_bot_queue_forwarded_total") == 1
+        assert metrics.value("ap_bot_queue_messages_received_total") >= 2
