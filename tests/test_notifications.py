@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from loadtest.harness.faults import TcpFaultProxy
 from server.config import Settings
 from server.coordination.dedup import Claim, MemoryDedup
 from server.coordination.lease import MemoryLease
@@ -266,6 +267,30 @@ async def test_a_failed_checkpoint_and_a_failed_listing_lose_and_repeat_nothing(
         await tab.barrier()
         assert numbers(tab) == [1, 2]
         assert tab.offsets("user:alice") == [1, 2]
+
+
+async def test_a_batch_whose_claims_redis_refuses_is_handed_on_again_and_pushed_once(
+    dynamodb_endpoint: str, raw: Any, stream_table: str, redis_proxy: TcpFaultProxy
+) -> None:
+    """Redis never sees the batch's dedup claims (their connection is reset, and so
+    is redis-py's one retry): the reader keeps its place in the shard and hands the
+    same batch on again until it is taken, so nothing is skipped or pushed twice."""
+    settings = settings_for(dynamodb_endpoint, stream_table, redis_url=redis_proxy.url)
+    async with run_server(settings) as running:
+        await reading(running)
+        tab = await running.subscribed("alice", since={})
+        redis_proxy.cut_before(DEDUP_PREFIX.encode(), 2)
+        for n in (1, 2):
+            put_notification(raw, stream_table, "alice", n)
+        await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=20)
+        await tab.barrier()
+        assert numbers(tab) == [1, 2]
+        assert tab.offsets("user:alice") == [1, 2]
+        metrics = running.node.metrics
+        assert redis_proxy.cuts_before_write == 2
+        assert metrics.value("ap_stream_reader_failures_total") >= 1
+        assert metrics.value("ap_notifications_pushed_total") == 2
+        assert metrics.value("ap_notifications_repeated_total") == 0
 
 
 async def test_a_row_no_client_could_decode_is_counted_and_the_next_one_still_arrives(
