@@ -3,7 +3,8 @@ found at the second audit that still misses it, and one merely in flight is not.
 
 The node side is the benchmark's stand-in (``Held``): cursors, as ``StreamDelivery``
 holds them, and the streams it was asked to check; the reads are ``RedisStreams``'.
-The last test runs a whole node: the event reaches the tab."""
+The last two tests run a whole node: the event reaches the tab, found by the audit
+or, when a later event shows the hole, as that event arrives."""
 
 from __future__ import annotations
 
@@ -188,6 +189,38 @@ async def test_a_move_whose_publish_never_arrived_reaches_the_tab(
         frame = watcher.on_stream(game_stream)[1]
         assert frame["payload"]["n"] == 2 and frame["epoch"] == position.epoch
         assert server.node.metrics.value("ap_stream_audit_missed_total") == 1
+
+
+async def test_a_move_whose_publish_never_arrived_is_filled_in_when_the_next_one_comes(
+    fresh_redis: RedisServer,
+) -> None:
+    # The audit out of the way: here the next move shows the hole as it arrives (a
+    # live gap), and the node reads the missing move from history before it
+    # delivers the next one.
+    settings = dataclasses.replace(
+        TEST_SETTINGS, redis_url=fresh_redis.url, stream_audit_seconds=3600
+    )
+    game_stream = "game:chess#g1"
+    async with run_server(settings) as server:
+        watcher = await server.subscribed("alice", games=[("chess", "g1")], since={})
+        assert (await server.publish(move(1)))[0] == 202
+        await watcher.wait_for(lambda: watcher.offsets(game_stream) == [1])
+        other = RedisStreams(fresh_redis.url)
+        await other.start()
+        try:
+            message = parse_broadcast(json.dumps(move(2)).encode())
+            await other.append(game_stream, encode_envelope(message), ())  # heard by no node
+        finally:
+            await other.close()
+        assert (await server.publish(move(3)))[0] == 202
+        await watcher.wait_for(lambda: len(watcher.offsets(game_stream)) == 3)
+        assert watcher.offsets(game_stream) == [1, 2, 3]
+        assert [frame["payload"]["n"] for frame in watcher.on_stream(game_stream)] == [1, 2, 3]
+        metrics = server.node.metrics
+        assert metrics.value("ap_stream_gaps_total") == 1
+        # Read from history: move 2, and move 3 itself (appended before it was heard).
+        assert metrics.value("ap_stream_repaired_events_total") == 2
+        assert metrics.value("ap_stream_audit_missed_total") == 0
 
 
 def move(n: int) -> dict[str, Any]:
