@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from server.store import BotRecord, CurrentGame, MemoryStore, StoreUnavailable
+from server.store import BotRecord, CurrentGame, MemoryStore
 from server.store.dynamodb import DynamoStore
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, run_server
+from tests.services import DynamoFaultProxy
 from tests.tokens import BOT_SCOPE, HUMAN_CLIENT_ID, JwksServer, Pool
 from tests.waiting import eventually
 
@@ -310,28 +311,42 @@ async def test_pending_turns_from_currentgames_rows_in_dynamodb(
         assert (await unknown.closed())[0] == 1008
 
 
-class GamesUnreadable(MemoryStore):
-    """A store whose CURRENTGAMES# reads fail, as DynamoDB does after its retries."""
-
-    async def current_games(self, user_id: str) -> list[CurrentGame]:
-        raise StoreUnavailable("DynamoDB query failed after 8 attempts: ThrottlingException")
-
-
-async def test_unreadable_current_games_make_the_bot_retry(jwks: JwksServer) -> None:
+async def test_an_unreadable_bot_row_or_game_list_makes_the_bot_retry(
+    jwks: JwksServer, dynamodb_proxy: DynamoFaultProxy, table: str, raw: Any
+) -> None:
+    """DynamoDB refuses the ``BOT`` row's read, then, on the next try, the bot's
+    current games: each time the bot hears ``unavailable`` and 1013, and no
+    ``pendingTurns`` (without the list it could miss a turn for good). Once
+    DynamoDB answers, the bot gets its turns."""
     bots = jwks.pool("bots")
-    store = GamesUnreadable()
-    store.put_bot(BotRecord(client_id=BOT, name="Tester", owner="owner-1"))
-    settings = dataclasses.replace(
-        TEST_SETTINGS, bot_cognito_issuer=bots.issuer, bot_scope=BOT_SCOPE
+    raw.put_item(
+        TableName=table,
+        Item={"pk": {"S": "BOT"}, "sk": {"S": BOT}, "name": {"S": "T"}, "owner": {"S": "o"}},
     )
-    async with run_server(settings, store) as server:
+    _put_current_game(raw, table, BOT, "hw-mine", {"S": "1"})
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        bot_cognito_issuer=bots.issuer,
+        bot_scope=BOT_SCOPE,
+        store="dynamodb",
+        dynamodb_endpoint=dynamodb_proxy.endpoint,
+        table=table,
+    )
+    async with run_server(settings) as server:
+        # Errors the store does not retry: each read fails at once.
+        for operation, what in (("GetItem", "bot registry"), ("Query", "current games")):
+            dynamodb_proxy.fail_operation(operation, 1, "AccessDeniedException", 400)
+            client = await server.client()
+            await client.send({"action": "subscribe", "token": bots.bot_token(BOT)})
+            error = await client.next_message(lambda m: m["verb"] == "error")
+            assert error["payload"]["code"] == "unavailable"
+            assert what in error["payload"]["message"]
+            assert (await client.closed())[0] == 1013
+            assert client.of_verb("pendingTurns") == []
+        assert dynamodb_proxy.injected == {"AccessDeniedException": 2}
         client = await server.client()
         await client.send({"action": "subscribe", "token": bots.bot_token(BOT)})
-        error = await client.next_message(lambda m: m["verb"] == "error")
-        assert error["payload"]["code"] == "unavailable"
-        assert "current games" in error["payload"]["message"]
-        assert (await client.closed())[0] == 1013
-        assert client.of_verb("pendingTurns") == []
+        assert await pending_turns(client) == {("homeworlds", "hw-mine")}
 
 
 # ------------------------------------------------------------------ turns
