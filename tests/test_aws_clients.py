@@ -21,13 +21,12 @@ from tests.waiting import eventually
 
 
 async def test_the_store_the_stream_reader_and_the_sqs_bridge_send_the_node_user_agent(
-    dynamodb_endpoint: str, raw: Any
+    dynamodb_endpoint: str, dynamodb_proxy: DynamoFaultProxy, raw: Any
 ) -> None:
     table = await new_table(dynamodb_endpoint)
     enable_stream(raw, table)
     queue = new_queue(dynamodb_endpoint, "user-agent")
-    proxy = DynamoFaultProxy(dynamodb_endpoint)
-    await proxy.start()
+    proxy = dynamodb_proxy
     settings = dataclasses.replace(
         TEST_SETTINGS,
         store="dynamodb",
@@ -40,17 +39,14 @@ async def test_the_store_the_stream_reader_and_the_sqs_bridge_send_the_node_user
         sqs_wait_seconds=1,
         sqs_pollers=1,
     )
-    try:
-        async with run_server(settings) as running:
-            await reading(running)
-            await running.subscribed("alice")  # its wsConnections row, written behind
-            await eventually(
-                lambda: {"BatchWriteItem", "ReceiveMessage", "GetRecords"} <= set(proxy.operations),
-                30,
-                "a connection row written, the queue polled and the stream read",
-            )
-    finally:
-        await proxy.stop()
+    async with run_server(settings) as running:
+        await reading(running)
+        await running.subscribed("alice")  # its wsConnections row, written behind
+        await eventually(
+            lambda: {"BatchWriteItem", "ReceiveMessage", "GetRecords"} <= set(proxy.operations),
+            30,
+            "a connection row written, the queue polled and the stream read",
+        )
     (agent,) = proxy.user_agents  # one for every request of every client
     assert agent.startswith(f"ap-realtime/{__version__} "), agent
     # Not the one botocore assembles afresh for each request.

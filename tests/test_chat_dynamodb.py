@@ -210,31 +210,27 @@ async def test_last_seen_at_most_once_per_quarter_hour(
 
 
 async def test_a_store_outage_answers_unavailable_and_the_retry_is_stored_once(
-    dynamodb_endpoint: str, table: str, raw: Any
+    dynamodb_proxy: DynamoFaultProxy, table: str, raw: Any
 ) -> None:
     seed_game(raw, table, ["alice"])
-    proxy = DynamoFaultProxy(dynamodb_endpoint)
-    await proxy.start()
+    proxy = dynamodb_proxy
     settings = dataclasses.replace(
         TEST_SETTINGS, store="dynamodb", dynamodb_endpoint=proxy.endpoint, table=table
     )
-    try:
-        async with run_server(settings) as running:
-            alice = await running.subscribed("alice", games=[GAME])
-            # The append's own request fails with a throttle, then goes through on retry.
-            proxy.fail_next(2, "ThrottlingException", 400)
-            assert (await post(alice, GAME, "through a throttle", msg_id="t1"))["verb"] == "chatAck"
-            proxy.fail_all("InternalServerError", 500)
-            down = await post(alice, GAME, "during the outage", msg_id="o1", within=60)
-            assert down["verb"] == "error"
-            assert down["payload"]["code"] == "unavailable"
-            assert down["payload"]["clientMsgId"] == "o1"
-            proxy.recover()
-            again = await post(alice, GAME, "during the outage", msg_id="o1")
-            assert again["verb"] == "chatAck"
-            await alice.barrier()
-    finally:
-        await proxy.stop()
+    async with run_server(settings) as running:
+        alice = await running.subscribed("alice", games=[GAME])
+        # The append's own request fails with a throttle, then goes through on retry.
+        proxy.fail_next(2, "ThrottlingException", 400)
+        assert (await post(alice, GAME, "through a throttle", msg_id="t1"))["verb"] == "chatAck"
+        proxy.fail_all("InternalServerError", 500)
+        down = await post(alice, GAME, "during the outage", msg_id="o1", within=60)
+        assert down["verb"] == "error"
+        assert down["payload"]["code"] == "unavailable"
+        assert down["payload"]["clientMsgId"] == "o1"
+        proxy.recover()
+        again = await post(alice, GAME, "during the outage", msg_id="o1")
+        assert again["verb"] == "chatAck"
+        await alice.barrier()
     item = get(raw, table, "GAMECOMMENTS", "g1")
     assert item is not None
     assert [c["M"]["comment"]["S"] for c in item["comments"]["L"]] == [

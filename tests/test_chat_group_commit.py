@@ -43,11 +43,10 @@ def stored(raw: Any, table: str) -> list[dict[str, Any]]:
 
 
 async def test_comments_queued_behind_the_lock_are_written_in_one_batch_in_order(
-    dynamodb_endpoint: str, table: str, raw: Any, fresh_redis: RedisServer
+    dynamodb_proxy: DynamoFaultProxy, table: str, raw: Any, fresh_redis: RedisServer
 ) -> None:
     put_game_row(raw, table, ["alice", "bob"])
-    proxy = DynamoFaultProxy(dynamodb_endpoint)
-    await proxy.start()
+    proxy = dynamodb_proxy
     settings = dataclasses.replace(
         TEST_SETTINGS,
         store="dynamodb",
@@ -102,4 +101,3 @@ async def test_comments_queued_behind_the_lock_are_written_in_one_batch_in_order
             assert await lock.exists(lock_key("chess#g1")) == 0
     finally:
         await lock.aclose()
-        await proxy.stop()

@@ -131,37 +131,33 @@ async def test_a_node_deletes_its_earlier_rows_on_start_and_its_rows_on_shutdown
 
 
 async def test_clients_stay_connected_through_a_dynamodb_outage_and_nothing_is_lost(
-    dynamodb_endpoint: str, table: str, raw: Any
+    dynamodb_proxy: DynamoFaultProxy, table: str, raw: Any
 ) -> None:
-    proxy = DynamoFaultProxy(dynamodb_endpoint)
-    await proxy.start()
+    proxy = dynamodb_proxy
     settings = dataclasses.replace(
         TEST_SETTINGS, store="dynamodb", dynamodb_endpoint=proxy.endpoint, table=table
     )
-    try:
-        async with run_server(settings) as running:
-            early = await running.subscribed("early")
-            await early.wait_for(lambda: early.presence.visible == {"early"})
-            proxy.fail_all("InternalServerError", 500)
-            # DynamoDB fails every call: sessions still subscribe, get snapshots, stay open.
-            late: list[Client] = [await running.subscribed(f"late{i}") for i in range(5)]
-            await late[0].watch([("chess", "g9")])
-            await late[0].barrier()
-            await asyncio.sleep(1.0)
-            assert all(c.ws.close_code is None for c in [early, *late])
-            assert connection_items(raw, table)[0]["userId"] == {"S": "early"}
-            assert running.node.metrics.value("ap_dynamodb_retries_total") > 0
-            proxy.recover()
-            await asyncio.wait_for(running.node.registry.drained(), timeout=30)
-            items = connection_items(raw, table)
-            users = sorted(i["userId"]["S"] for i in items)
-            assert users == ["early"] + [f"late{i}" for i in range(5)]
-            [watcher] = [i for i in items if i["userId"]["S"] == "late0"]
-            assert watcher["watchingGames"] == {"SS": ["chess#g9"]}
-            # presence went on too: the writer retried until the counter answered again
-            await early.wait_for(lambda: len(early.presence.visible) == 6, within=30)
-    finally:
-        await proxy.stop()
+    async with run_server(settings) as running:
+        early = await running.subscribed("early")
+        await early.wait_for(lambda: early.presence.visible == {"early"})
+        proxy.fail_all("InternalServerError", 500)
+        # DynamoDB fails every call: sessions still subscribe, get snapshots, stay open.
+        late: list[Client] = [await running.subscribed(f"late{i}") for i in range(5)]
+        await late[0].watch([("chess", "g9")])
+        await late[0].barrier()
+        await asyncio.sleep(1.0)
+        assert all(c.ws.close_code is None for c in [early, *late])
+        assert connection_items(raw, table)[0]["userId"] == {"S": "early"}
+        assert running.node.metrics.value("ap_dynamodb_retries_total") > 0
+        proxy.recover()
+        await asyncio.wait_for(running.node.registry.drained(), timeout=30)
+        items = connection_items(raw, table)
+        users = sorted(i["userId"]["S"] for i in items)
+        assert users == ["early"] + [f"late{i}" for i in range(5)]
+        [watcher] = [i for i in items if i["userId"]["S"] == "late0"]
+        assert watcher["watchingGames"] == {"SS": ["chess#g9"]}
+        # presence went on too: the writer retried until the counter answered again
+        await early.wait_for(lambda: len(early.presence.visible) == 6, within=30)
 
 
 def test_unreachable_dynamodb_at_start_exits_non_zero_with_a_clear_message() -> None:

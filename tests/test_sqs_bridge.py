@@ -110,11 +110,10 @@ async def test_a_poison_message_is_deleted_and_counted_and_the_rest_flows(
 
 
 async def test_a_message_delivered_again_reaches_each_client_once(
-    dynamodb_endpoint: str, queue: str
+    dynamodb_endpoint: str, dynamodb_proxy: DynamoFaultProxy, queue: str
 ) -> None:
     """The delete fails, so SQS delivers the published message again: it is not re-sent."""
-    proxy = DynamoFaultProxy(dynamodb_endpoint)
-    await proxy.start()
+    proxy = dynamodb_proxy
     settings = dataclasses.replace(
         TEST_SETTINGS,
         sqs_queue_url=queue,
@@ -123,27 +122,25 @@ async def test_a_message_delivered_again_reaches_each_client_once(
         sqs_visibility_seconds=1,
         sqs_pollers=1,
     )
-    try:
-        async with run_server(settings) as running:
-            watcher = await running.subscribed("bob", games=[("chess", "g1")])
-            duplicates = running.node.metrics.value("ap_sqs_duplicates_total")
-            proxy.fail_operation("DeleteMessageBatch", 3)  # every attempt of the first delete
-            body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 1}}
-            await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
-            await eventually_in_thread(
-                lambda: depth(dynamodb_endpoint, queue) == 0, 15, "the redelivery deleted"
-            )
-            assert running.node.metrics.value("ap_sqs_duplicates_total") - duplicates == 1
-            await watcher.barrier()
-            assert game_events(watcher) == [{"meta": "chess", "id": "g1", "n": 1}]
-            assert proxy.count("DeleteMessageBatch") >= 4
-    finally:
-        await proxy.stop()
+    async with run_server(settings) as running:
+        watcher = await running.subscribed("bob", games=[("chess", "g1")])
+        duplicates = running.node.metrics.value("ap_sqs_duplicates_total")
+        proxy.fail_operation("DeleteMessageBatch", 3)  # every attempt of the first delete
+        body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": 1}}
+        await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+        await eventually_in_thread(
+            lambda: depth(dynamodb_endpoint, queue) == 0, 15, "the redelivery deleted"
+        )
+        assert running.node.metrics.value("ap_sqs_duplicates_total") - duplicates == 1
+        await watcher.barrier()
+        assert game_events(watcher) == [{"meta": "chess", "id": "g1", "n": 1}]
+        assert proxy.count("DeleteMessageBatch") >= 4
 
 
-async def test_sqs_down_then_back_loses_nothing(dynamodb_endpoint: str, queue: str) -> None:
-    proxy = DynamoFaultProxy(dynamodb_endpoint)
-    await proxy.start()
+async def test_sqs_down_then_back_loses_nothing(
+    dynamodb_endpoint: str, dynamodb_proxy: DynamoFaultProxy, queue: str
+) -> None:
+    proxy = dynamodb_proxy
     settings = dataclasses.replace(
         TEST_SETTINGS,
         sqs_queue_url=queue,
@@ -152,29 +149,24 @@ async def test_sqs_down_then_back_loses_nothing(dynamodb_endpoint: str, queue: s
         sqs_visibility_seconds=2,
         sqs_pollers=2,
     )
-    try:
-        async with run_server(settings) as running:
-            watcher = await running.subscribed("bob", games=[("chess", "g1")])
-            metrics = running.node.metrics
-            errors = metrics.value("ap_sqs_errors_total")
-            proxy.fail_all("ServiceUnavailable", 503)
-            await asyncio.sleep(1.5)  # long polls already inside moto end first
-            for n in range(20):
-                body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": n}}
-                await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
-            await asyncio.sleep(1.5)
-            assert (
-                running.node.metrics.value("ap_sqs_errors_total") > errors
-            )  # it did try, and failed
-            assert game_events(watcher) == []
-            assert running.node.ready  # clients stay connected meanwhile
-            proxy.recover()
-            await eventually_in_thread(lambda: len(game_events(watcher)) >= 20, 20, "all 20 events")
-            await eventually_in_thread(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "empty")
-            await watcher.barrier()
-            assert sorted(e["n"] for e in game_events(watcher)) == list(range(20))
-    finally:
-        await proxy.stop()
+    async with run_server(settings) as running:
+        watcher = await running.subscribed("bob", games=[("chess", "g1")])
+        metrics = running.node.metrics
+        errors = metrics.value("ap_sqs_errors_total")
+        proxy.fail_all("ServiceUnavailable", 503)
+        await asyncio.sleep(1.5)  # long polls already inside moto end first
+        for n in range(20):
+            body = {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": n}}
+            await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+        await asyncio.sleep(1.5)
+        assert running.node.metrics.value("ap_sqs_errors_total") > errors  # it did try, and failed
+        assert game_events(watcher) == []
+        assert running.node.ready  # clients stay connected meanwhile
+        proxy.recover()
+        await eventually_in_thread(lambda: len(game_events(watcher)) >= 20, 20, "all 20 events")
+        await eventually_in_thread(lambda: depth(dynamodb_endpoint, queue) == 0, 10, "empty")
+        await watcher.barrier()
+        assert sorted(e["n"] for e in game_events(watcher)) == list(range(20))
 
 
 async def test_without_the_flag_nothing_polls_aws(server: RunningServer) -> None:
