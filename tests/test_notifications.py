@@ -57,8 +57,7 @@ def settings_for(endpoint: str, table: str, **extra: Any) -> Settings:
         dynamodb_endpoint=endpoint,
         table=table,
         notifications_from_stream=True,
-        stream_poll_ms=200,
-        **extra,
+        **{"stream_poll_ms": 200, **extra},
     )
 
 
@@ -291,6 +290,33 @@ async def test_a_batch_whose_claims_redis_refuses_is_handed_on_again_and_pushed_
         assert metrics.value("ap_stream_reader_failures_total") >= 1
         assert metrics.value("ap_notifications_pushed_total") == 2
         assert metrics.value("ap_notifications_repeated_total") == 0
+
+
+async def test_an_expired_shard_iterator_is_taken_again_after_the_last_record_read(
+    dynamodb_proxy: DynamoFaultProxy, raw: Any, stream_table: str
+) -> None:
+    """Shard iterators expire after 15 minutes: the reader takes a new one after
+    the last record it read, not at the shard's latest, so a row written
+    meanwhile still arrives, once."""
+    proxy = dynamodb_proxy
+    settings = settings_for(proxy.endpoint, stream_table, stream_poll_ms=3000)
+    async with run_server(settings) as running:
+        await reading(running)
+        tab = await running.subscribed("alice", since={})
+        put_notification(raw, stream_table, "alice", 1)
+        await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
+        # The read after the one that brought it finds nothing, and the reader
+        # pauses: the row below is written before the shard is read again.
+        polled = proxy.count("GetRecords")
+        await eventually(lambda: proxy.count("GetRecords") > polled, 10, "the next read")
+        proxy.fail_operation("GetRecords", 1, "ExpiredIteratorException", 400)
+        put_notification(raw, stream_table, "alice", 2)
+        await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=20)
+        await tab.barrier()
+        assert numbers(tab) == [1, 2]
+        assert tab.offsets("user:alice") == [1, 2]
+        assert proxy.injected == {"ExpiredIteratorException": 1}
+        assert running.node.metrics.value("ap_stream_reader_failures_total") == 0
 
 
 async def test_a_row_no_client_could_decode_is_counted_and_the_next_one_still_arrives(
