@@ -12,13 +12,15 @@ from typing import Any
 
 import pytest
 
+from loadtest.harness.faults import TcpFaultProxy
+from server.coordination.bot_sessions import sessions_key
 from server.store import BotRecord, CurrentGame, MemoryStore
 from server.store.dynamodb import DynamoStore
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, run_server
 from tests.services import DynamoFaultProxy
 from tests.tokens import BOT_SCOPE, HUMAN_CLIENT_ID, JwksServer, Pool
-from tests.waiting import eventually
+from tests.waiting import eventually, eventually_read
 
 BOT = "bot-client-1"
 
@@ -347,6 +349,35 @@ async def test_an_unreadable_bot_row_or_game_list_makes_the_bot_retry(
         client = await server.client()
         await client.send({"action": "subscribe", "token": bots.bot_token(BOT)})
         assert await pending_turns(client) == {("homeworlds", "hw-mine")}
+
+
+async def test_a_bot_whose_session_mark_fails_still_gets_its_turns_and_is_marked_soon(
+    jwks: JwksServer, redis_proxy: TcpFaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis never sees the mark of a connecting bot (its connection is reset, and
+    so is redis-py's retry). The bot is not refused: it gets its pendingTurns
+    (the bot queue bridge writes a move's candidate before it looks for marks),
+    and the next renewal marks it, so its messages come over the socket again."""
+    monkeypatch.setattr("server.services.bots.MARK_SECONDS", 0.9)  # renewed every 0.3 s
+    bots = jwks.pool("bots")
+    store = MemoryStore()
+    store.put_bot(BotRecord(client_id=BOT, name="Tester", owner="owner-1"))
+    store.put_current_game(BOT, game("g-mine", [BOT, "alice"], "0"))
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        bot_cognito_issuer=bots.issuer,
+        bot_scope=BOT_SCOPE,
+        redis_url=redis_proxy.url,
+    )
+    async with run_server(settings, store) as server:
+        redis_proxy.cut_before(sessions_key(BOT).encode(), 2)
+        client = await server.client()
+        await client.send({"action": "subscribe", "token": bots.bot_token(BOT)})
+        assert await pending_turns(client) == {("chess", "g-mine")}
+        assert redis_proxy.cuts_before_write == 2
+        sessions = server.node.bots.sessions
+        await eventually_read(lambda: sessions.connected(BOT), bool, 10, "the renewed mark")
+        assert client.ws.close_code is None
 
 
 # ------------------------------------------------------------------ turns
