@@ -234,13 +234,13 @@ def add_bridges(node: Node, settings: Settings) -> None:
             )
         )
     if settings.notifications_from_stream:
-        from server.ingress.notifications import NotificationPush
+        from server.ingress.notifications import LEASE_KEY, NotificationPush
 
         node.services.append(
             NotificationPush(
                 node.publish,
                 node.store,
-                choose_lease(node, settings, "ap:{notifications}:leader"),
+                choose_lease(node, settings, LEASE_KEY),
                 choose_dedup(node, settings),
                 node_id=settings.node_id,
                 table=settings.table,

@@ -22,6 +22,7 @@ from server.coordination.lease import MemoryLease
 from server.ingress.notifications import (
     CLAIM_SECONDS,
     DEDUP_PREFIX,
+    LEASE_KEY,
     NotificationPush,
     notification_of,
 )
@@ -317,6 +318,36 @@ async def test_an_expired_shard_iterator_is_taken_again_after_the_last_record_re
         assert tab.offsets("user:alice") == [1, 2]
         assert proxy.injected == {"ExpiredIteratorException": 1}
         assert running.node.metrics.value("ap_stream_reader_failures_total") == 0
+
+
+async def test_a_reader_that_cannot_renew_its_lease_stops_then_resumes_where_it_was(
+    dynamodb_endpoint: str, raw: Any, stream_table: str, redis_proxy: TcpFaultProxy
+) -> None:
+    """Redis never sees the stream lease's renewals for longer than a lease term:
+    the reader stops reading when its term runs out (another node may hold the
+    lease by then) and pushes nothing meanwhile. When a renewal gets through it
+    starts a new term from its checkpoint: the row written while it was stopped
+    arrives, once."""
+    settings = settings_for(dynamodb_endpoint, stream_table, redis_url=redis_proxy.url)
+    async with run_server(settings) as running:
+        await reading(running)
+        (push,) = [s for s in running.node.services if isinstance(s, NotificationPush)]
+        tab = await running.subscribed("alice", since={})
+        put_notification(raw, stream_table, "alice", 1)
+        await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
+        # Each renewal is tried twice (redis-py's retry), once a second: about
+        # 12 s without one, against a term of 6 s.
+        redis_proxy.cut_before(LEASE_KEY.encode(), 24)
+        await eventually(lambda: not push.reader.reading, 20, "the reader stopped")
+        put_notification(raw, stream_table, "alice", 2)
+        await asyncio.sleep(1.0)
+        assert numbers(tab) == [1]  # not pushed without the lease
+        await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=30)
+        await tab.barrier()
+        assert numbers(tab) == [1, 2]
+        assert tab.offsets("user:alice") == [1, 2]
+        assert redis_proxy.cuts_before_write == 24
+        assert push.reader.reading
 
 
 async def test_a_row_no_client_could_decode_is_counted_and_the_next_one_still_arrives(

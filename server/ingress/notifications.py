@@ -51,6 +51,8 @@ from server.store.base import Store
 log = logging.getLogger(__name__)
 
 NOTIFICATION_PREFIX = "NOTIFICATION#"
+LEASE_KEY = "ap:{notifications}:leader"
+"""One reader in the cluster: the node holding this lease (its fence is in the table)."""
 DEDUP_PREFIX = "ap:notif:"
 DEDUP_SECONDS = 86_400.0
 """A stream keeps records for 24 h: no reader can meet a record again after that."""

@@ -11,6 +11,7 @@ from typing import Any
 import boto3
 import pytest
 
+from server.ingress.notifications import LEASE_KEY
 from server.store.dynamodb import create_table
 from tests.client import Client
 from tests.cluster.conftest import nodes_on, redis_for
@@ -19,7 +20,7 @@ from tests.test_table_stream import enable_stream, put_notification
 from tests.waiting import eventually
 
 NODES = ("p1", "p2")
-LEADER_KEY = "ap:{notifications}:leader"
+LEADER_KEY = LEASE_KEY
 
 
 def numbers(client: Client) -> list[int]:
