@@ -23,6 +23,7 @@ from server.bus.redis_cluster_bus import RedisClusterBus
 from server.bus.topics import PRESENCE
 from server.coordination.dedup import Claim, RedisClusterDedup
 from server.coordination.lease import LeaseState, RedisLease
+from server.ingress.notifications import LEASE_KEY
 from server.redis.client import make_cluster_client
 from server.redis.keys import channel_for
 from tests.client import Client
@@ -356,7 +357,7 @@ async def test_the_bridges_dedup_and_lease_ride_through_a_primary_failover(
             instance.start()
     await asyncio.to_thread(redis.wait_ok)
     redis.flush()
-    lease_key = "ap:{notifications}:leader"
+    lease_key = LEASE_KEY
     slot = key_slot(lease_key.encode())
     victim = redis.owner(slot)
     lease = RedisLease(
