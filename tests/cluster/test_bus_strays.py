@@ -43,7 +43,7 @@ async def test_strays_on_a_game_channel_are_counted_dropped_and_the_game_goes_on
         redis = aioredis.Redis.from_url(fresh_redis.url)
         try:
             for stray in strays:
-                assert await redis.publish(channel_for(GAME), stray) == 1  # the node
+                assert await redis.publish(channel_for(GAME), stray) >= 1  # the node heard it
         finally:
             await redis.aclose()
         metrics = server.node.metrics
