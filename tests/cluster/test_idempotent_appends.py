@@ -1,6 +1,7 @@
 """Every append is idempotent: a script resent after its connection was cut
 (it ran, its caller never heard) is appended once, on one Redis and on a Redis
-Cluster, with the position of the first run.
+Cluster, with the position of the first run; and so is a publisher's retry
+after a 503, whether the append it retries ran or not.
 
 The cut comes from :class:`~loadtest.harness.faults.TcpFaultProxy`: it lets the
 ``EVALSHA`` reach Redis, then resets the client's connection before the reply.
@@ -8,6 +9,7 @@ The cut comes from :class:`~loadtest.harness.faults.TcpFaultProxy`: it lets the
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -21,6 +23,7 @@ from loadtest.harness.servers import HOST
 from server.bus.redis_streams import RedisStreams, event_id_key, history_key
 from server.bus.streams import DEFAULT_LIMITS, NOTIFICATION_NAME, OWN_NAME, Append, new_event_id
 from server.redis.shard_pipes import ShardPipes
+from tests.conftest import TEST_SETTINGS, run_server
 from tests.services import RedisServer
 
 
@@ -150,3 +153,39 @@ async def test_each_name_is_kept_for_its_window(fresh_redis: RedisServer) -> Non
     )
     assert 250 < ttls[0] <= 300 and 850 < ttls[1] <= 900 and 86000 < ttls[2] <= 86400
     assert len(named_here) == 2  # the unnamed append got a name of its own
+
+
+def move(n: int) -> dict[str, Any]:
+    return {"verb": "game", "payload": {"meta": "chess", "id": "g1", "n": n}}
+
+
+async def test_a_publisher_told_503_retries_with_its_key_and_each_event_is_delivered_once(
+    redis_proxy: TcpFaultProxy,
+) -> None:
+    """``POST /publish`` answers 503 when the append failed, and the publisher
+    retries with the same ``Idempotency-Key``: whether Redis never saw the append
+    (its connection reset first, and the resend's) or ran it and the replies were
+    lost, the retry is answered with the event's one position, and the tab hears
+    each event once."""
+    settings = dataclasses.replace(TEST_SETTINGS, redis_url=redis_proxy.url)
+    game = "game:chess#g1"
+    async with run_server(settings) as server:
+        watcher = await server.subscribed("alice", games=[("chess", "g1")], since={})
+        answers = []
+        for n, key, cut in (
+            (1, "never-ran", redis_proxy.cut_before),
+            (2, "ran", redis_proxy.cut_after),
+        ):
+            headers = {"Idempotency-Key": key}
+            cut(key.encode(), 2)  # the append and the pipe's one resend
+            status, reply = await server.publish(move(n), headers=headers)
+            assert (status, reply) == (503, {"error": "the bus could not take the event"})
+            status, reply = await server.publish(move(n), headers=headers)
+            assert status == 202 and isinstance(reply, dict)
+            answers.append(reply["positions"][game]["offset"])
+        assert (redis_proxy.cuts_before_write, redis_proxy.cuts_after_write) == (2, 2)
+        assert answers == [1, 2]
+        await watcher.wait_for(lambda: len(watcher.offsets(game)) == 2)
+        await watcher.barrier()
+        assert watcher.offsets(game) == [1, 2]
+        assert [frame["payload"]["n"] for frame in watcher.on_stream(game)] == [1, 2]
