@@ -449,6 +449,15 @@ async def test_challenges_by_webhook_go_to_the_webhook_even_for_a_connected_bot(
         assert metrics.value("ap_bot_queue_to_websocket_total") == 1
 
 
+async def forwarded_once(endpoint: str, queue: str, forward: str, body: dict[str, Any]) -> None:
+    """Send ``body`` to the bot queue; once it is drained, the forward queue holds
+    exactly that body, once."""
+    text = json.dumps(body)
+    await asyncio.to_thread(send, endpoint, queue, text)
+    await eventually_in_thread(lambda: depth(endpoint, queue) == 0, 30, "a drained queue")
+    assert await asyncio.to_thread(drain_bodies, endpoint, forward) == [text]
+
+
 async def test_a_refused_forward_and_a_refused_hand_back_still_forward_once(
     dynamodb_endpoint: str, dynamodb_proxy: DynamoFaultProxy
 ) -> None:
@@ -465,12 +474,7 @@ async def test_a_refused_forward_and_a_refused_hand_back_still_forward_once(
         # Errors botocore does not retry, so the bridge sees each of them.
         proxy.fail_operation("SendMessage", 1, "InvalidParameterValue", 400)
         proxy.fail_operation("ChangeMessageVisibilityBatch", 1, "InvalidParameterValue", 400)
-        body = json.dumps(move(BOT, "g-refused"))
-        await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
-        await eventually_in_thread(
-            lambda: depth(dynamodb_endpoint, queue) == 0, 30, "a drained queue"
-        )
-        assert await asyncio.to_thread(drain_bodies, dynamodb_endpoint, forward) == [body]
+        await forwarded_once(dynamodb_endpoint, queue, forward, move(BOT, "g-refused"))
         assert proxy.injected == {"InvalidParameterValue": 2}
         metrics = server.node.metrics
         assert metrics.value("ap_bot_queue_errors_total") >= 2
@@ -503,12 +507,7 @@ async def test_a_refused_candidate_write_hands_the_batch_back_undelivered(
     async with run_server(settings) as server:
         # Not a transient error: the store gives up at once, so the bridge sees it.
         dynamodb_proxy.fail_operation("BatchWriteItem", 1, "AccessDeniedException", 400)
-        body = json.dumps(move(BOT, "g-refused"))
-        await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
-        await eventually_in_thread(
-            lambda: depth(dynamodb_endpoint, queue) == 0, 30, "a drained queue"
-        )
-        assert await asyncio.to_thread(drain_bodies, dynamodb_endpoint, forward) == [body]
+        await forwarded_once(dynamodb_endpoint, queue, forward, move(BOT, "g-refused"))
         assert dynamodb_proxy.injected == {"AccessDeniedException": 1}
         assert dynamodb_proxy.count("BatchWriteItem") == 2  # refused, then written
         candidates = raw.query(

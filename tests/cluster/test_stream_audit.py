@@ -9,6 +9,7 @@ or, when a later event shows the hole, as that event arrives."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import uuid
@@ -20,13 +21,15 @@ import redis.asyncio as aioredis
 
 from loadtest.scenarios.stream_audit import Held
 from protocol.envelope import encode_envelope
+from protocol.messages import Position
 from protocol.parse import parse_broadcast
 from protocol.streams import StreamCursor
 from server.bus.redis_streams import RedisStreams, history_key, meta_key
 from server.bus.topics import stream_topic
 from server.routing.stream_audit import StreamAudit
 from server.runtime.metrics import Registry
-from tests.conftest import TEST_SETTINGS, run_server
+from tests.client import Client
+from tests.conftest import TEST_SETTINGS, RunningServer, run_server
 from tests.services import RedisServer
 
 
@@ -168,22 +171,9 @@ async def test_a_move_whose_publish_never_arrived_reaches_the_tab(
     # A node of a cluster, with the audit every 50 ms: move 2 is committed to the
     # game's stream (as another node's publish would), but its pub/sub message never
     # reaches this node, and no later move shows the hole.
-    settings = dataclasses.replace(
-        TEST_SETTINGS, redis_url=fresh_redis.url, stream_audit_seconds=0.05
-    )
     game_stream = "game:chess#g1"
-    async with run_server(settings) as server:
-        watcher = await server.subscribed("alice", games=[("chess", "g1")], since={})
-        status, reply = await server.publish(move(1))
-        assert status == 202 and isinstance(reply, dict)
-        await watcher.wait_for(lambda: watcher.offsets(game_stream) == [1])
-        other = RedisStreams(fresh_redis.url)
-        await other.start()
-        try:
-            message = parse_broadcast(json.dumps(move(2)).encode())
-            position = await other.append(game_stream, encode_envelope(message), ())
-        finally:
-            await other.close()
+    async with heard_move_1(fresh_redis, audit_seconds=0.05) as (server, watcher):
+        position = await append_unheard(fresh_redis.url, game_stream, move(2))
         assert position.offset == 2
         await watcher.wait_for(lambda: watcher.offsets(game_stream) == [1, 2])
         frame = watcher.on_stream(game_stream)[1]
@@ -197,21 +187,9 @@ async def test_a_move_whose_publish_never_arrived_is_filled_in_when_the_next_one
     # The audit out of the way: here the next move shows the hole as it arrives (a
     # live gap), and the node reads the missing move from history before it
     # delivers the next one.
-    settings = dataclasses.replace(
-        TEST_SETTINGS, redis_url=fresh_redis.url, stream_audit_seconds=3600
-    )
     game_stream = "game:chess#g1"
-    async with run_server(settings) as server:
-        watcher = await server.subscribed("alice", games=[("chess", "g1")], since={})
-        assert (await server.publish(move(1)))[0] == 202
-        await watcher.wait_for(lambda: watcher.offsets(game_stream) == [1])
-        other = RedisStreams(fresh_redis.url)
-        await other.start()
-        try:
-            message = parse_broadcast(json.dumps(move(2)).encode())
-            await other.append(game_stream, encode_envelope(message), ())  # heard by no node
-        finally:
-            await other.close()
+    async with heard_move_1(fresh_redis, audit_seconds=3600) as (server, watcher):
+        await append_unheard(fresh_redis.url, game_stream, move(2))
         assert (await server.publish(move(3)))[0] == 202
         await watcher.wait_for(lambda: len(watcher.offsets(game_stream)) == 3)
         assert watcher.offsets(game_stream) == [1, 2, 3]
@@ -221,6 +199,35 @@ async def test_a_move_whose_publish_never_arrived_is_filled_in_when_the_next_one
         # Read from history: move 2, and move 3 itself (appended before it was heard).
         assert metrics.value("ap_stream_repaired_events_total") == 2
         assert metrics.value("ap_stream_audit_missed_total") == 0
+
+
+@contextlib.asynccontextmanager
+async def heard_move_1(
+    redis: RedisServer, *, audit_seconds: float
+) -> AsyncIterator[tuple[RunningServer, Client]]:
+    """A cluster node auditing its streams every ``audit_seconds``, and a tab on
+    chess#g1 that has heard move 1 (offset 1)."""
+    settings = dataclasses.replace(
+        TEST_SETTINGS, redis_url=redis.url, stream_audit_seconds=audit_seconds
+    )
+    async with run_server(settings) as server:
+        watcher = await server.subscribed("alice", games=[("chess", "g1")], since={})
+        status, reply = await server.publish(move(1))
+        assert status == 202 and isinstance(reply, dict)
+        await watcher.wait_for(lambda: watcher.offsets("game:chess#g1") == [1])
+        yield server, watcher
+
+
+async def append_unheard(url: str, stream: str, event: dict[str, Any]) -> Position:
+    """Commit ``event`` to ``stream`` as another node's publish would, but with no
+    pub/sub message: no node hears it."""
+    other = RedisStreams(url)
+    await other.start()
+    try:
+        message = parse_broadcast(json.dumps(event).encode())
+        return await other.append(stream, encode_envelope(message), ())
+    finally:
+        await other.close()
 
 
 def move(n: int) -> dict[str, Any]:
