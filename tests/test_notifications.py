@@ -328,7 +328,10 @@ async def test_a_reader_that_cannot_renew_its_lease_stops_then_resumes_where_it_
     lease by then) and pushes nothing meanwhile. When a renewal gets through it
     starts a new term from its checkpoint: the row written while it was stopped
     arrives, once."""
-    settings = settings_for(dynamodb_endpoint, stream_table, redis_url=redis_proxy.url)
+    # Heartbeats every second: a lease term of 3 s (``lease_ms_for``).
+    settings = settings_for(
+        dynamodb_endpoint, stream_table, redis_url=redis_proxy.url, node_heartbeat_ms=1000
+    )
     async with run_server(settings) as running:
         await reading(running)
         (push,) = [s for s in running.node.services if isinstance(s, NotificationPush)]
@@ -336,8 +339,8 @@ async def test_a_reader_that_cannot_renew_its_lease_stops_then_resumes_where_it_
         put_notification(raw, stream_table, "alice", 1)
         await tab.next_message(lambda m: m.get("verb") == "notification", within=10)
         # Each renewal is tried twice (redis-py's retry), once a second: about
-        # 12 s without one, against a term of 6 s.
-        redis_proxy.cut_before(LEASE_KEY.encode(), 24)
+        # 7 s without one, against a term of 3 s.
+        redis_proxy.cut_before(LEASE_KEY.encode(), 14)
         await eventually(lambda: not push.reader.reading, 20, "the reader stopped")
         put_notification(raw, stream_table, "alice", 2)
         await asyncio.sleep(1.0)
@@ -346,7 +349,7 @@ async def test_a_reader_that_cannot_renew_its_lease_stops_then_resumes_where_it_
         await tab.barrier()
         assert numbers(tab) == [1, 2]
         assert tab.offsets("user:alice") == [1, 2]
-        assert redis_proxy.cuts_before_write == 24
+        assert redis_proxy.cuts_before_write == 14
         assert push.reader.reading
 
 
