@@ -70,6 +70,9 @@ class Client:
     @classmethod
     async def open(cls, url: str, *, msgpack_protocol: bool = False, **kwargs: Any) -> Client:
         subprotocols = [Subprotocol("ap.msgpack")] if msgpack_protocol else None
+        # As patient as every other wait here: websockets' own 10 s was once too
+        # short for 600 clients moving to one node beside busy loops.
+        kwargs.setdefault("open_timeout", PATIENCE)
         ws = await connect(url, subprotocols=subprotocols, **kwargs)
         return cls(ws)
 
