@@ -319,18 +319,10 @@ async def test_use_before_start_raises_store_unavailable() -> None:
 
 
 @pytest.fixture
-async def proxy(endpoint: str) -> AsyncIterator[DynamoFaultProxy]:
-    fault_proxy = DynamoFaultProxy(endpoint)
-    await fault_proxy.start()
-    try:
-        yield fault_proxy
-    finally:
-        await fault_proxy.stop()
-
-
-@pytest.fixture
-async def proxied(proxy: DynamoFaultProxy, table: str) -> AsyncIterator[DynamoStore]:
-    impl = DynamoStore(table=table, region=REGION, endpoint_url=proxy.endpoint, max_attempts=4)
+async def proxied(dynamodb_proxy: DynamoFaultProxy, table: str) -> AsyncIterator[DynamoStore]:
+    impl = DynamoStore(
+        table=table, region=REGION, endpoint_url=dynamodb_proxy.endpoint, max_attempts=4
+    )
     await impl.start()
     try:
         yield impl
@@ -343,71 +335,73 @@ def metric(store: DynamoStore, name: str) -> float:
 
 
 async def test_throttled_requests_are_retried_and_counted(
-    proxied: DynamoStore, proxy: DynamoFaultProxy
+    proxied: DynamoStore, dynamodb_proxy: DynamoFaultProxy
 ) -> None:
     throttles, retries = (
         metric(proxied, "ap_dynamodb_throttles_total"),
         metric(proxied, "ap_dynamodb_retries_total"),
     )
-    proxy.fail_next(2, "ProvisionedThroughputExceededException")
+    dynamodb_proxy.fail_next(2, "ProvisionedThroughputExceededException")
     await proxied.write_connections([sample("t1")], [])
-    assert proxy.count("BatchWriteItem") == 3
+    assert dynamodb_proxy.count("BatchWriteItem") == 3
     assert metric(proxied, "ap_dynamodb_throttles_total") == throttles + 2
     assert metric(proxied, "ap_dynamodb_retries_total") == retries + 2
     assert await proxied.get_connection("t1") == sample("t1")
 
 
-async def test_server_errors_are_retried(proxied: DynamoStore, proxy: DynamoFaultProxy) -> None:
-    proxy.fail_next(1, "InternalServerError", status=500)
+async def test_server_errors_are_retried(
+    proxied: DynamoStore, dynamodb_proxy: DynamoFaultProxy
+) -> None:
+    dynamodb_proxy.fail_next(1, "InternalServerError", status=500)
     assert await proxied.reserve_presence_seq(1) == 1
-    proxy.fail_next(1, "ThrottlingException")
+    dynamodb_proxy.fail_next(1, "ThrottlingException")
     assert await proxied.reserve_presence_seq(2) == 2
-    assert proxy.count("UpdateItem") == 4
+    assert dynamodb_proxy.count("UpdateItem") == 4
 
 
 async def test_a_reserve_retried_after_its_answer_was_lost_does_not_skip(
-    proxied: DynamoStore, proxy: DynamoFaultProxy
+    proxied: DynamoStore, dynamodb_proxy: DynamoFaultProxy
 ) -> None:
     """The write applies, its answer never comes back, the store retries: the
     seq is where the first attempt put it (``ADD seq 1`` made it 2)."""
     assert await proxied.reserve_presence_seq(1) == 1
-    proxy.drop_response("UpdateItem")
+    dynamodb_proxy.drop_response("UpdateItem")
     assert await proxied.reserve_presence_seq(2) == 2
-    assert proxy.injected.get("dropped") == 1 and proxy.count("UpdateItem") >= 3
+    assert dynamodb_proxy.injected.get("dropped") == 1 and dynamodb_proxy.count("UpdateItem") >= 3
     assert await proxied.current_presence_seq() == 2
     assert await proxied.reserve_presence_seq(3) == 3
 
 
 async def test_persistent_throttling_gives_up_with_store_unavailable(
-    proxied: DynamoStore, proxy: DynamoFaultProxy
+    proxied: DynamoStore, dynamodb_proxy: DynamoFaultProxy
 ) -> None:
     failures = metric(proxied, "ap_dynamodb_failures_total")
-    proxy.fail_next(10, "ThrottlingException")
+    dynamodb_proxy.fail_next(10, "ThrottlingException")
     with pytest.raises(StoreUnavailable, match="ThrottlingException") as caught:
         await proxied.get_connection("x")
     assert "4 attempts" in str(caught.value)
-    assert proxy.count("GetItem") == 4
+    assert dynamodb_proxy.count("GetItem") == 4
     assert metric(proxied, "ap_dynamodb_failures_total") == failures + 1
 
 
 async def test_validation_errors_are_not_retried(
-    proxied: DynamoStore, proxy: DynamoFaultProxy
+    proxied: DynamoStore, dynamodb_proxy: DynamoFaultProxy
 ) -> None:
-    proxy.fail_next(1, "ValidationException")
+    dynamodb_proxy.fail_next(1, "ValidationException")
     with pytest.raises(StoreUnavailable, match="ValidationException"):
         await proxied.refresh_ttl("x", 1)
-    assert proxy.count("UpdateItem") == 1
+    assert dynamodb_proxy.count("UpdateItem") == 1
 
 
 async def test_unprocessed_items_are_written_again_until_none_are_left(
-    proxied: DynamoStore, proxy: DynamoFaultProxy, raw: Any, table: str
+    proxied: DynamoStore, dynamodb_proxy: DynamoFaultProxy, raw: Any, table: str
 ) -> None:
     unprocessed = metric(proxied, "ap_dynamodb_unprocessed_items_total")
-    proxy.unprocessed_rounds = 6
+    dynamodb_proxy.unprocessed_rounds = 6
     rows = [sample(f"u-{i:02d}") for i in range(60)]
     await proxied.write_connections(rows, [])
-    assert proxy.unprocessed_rounds == 0  # the proxy really held items back
-    assert proxy.count("BatchWriteItem") > 3
+    assert dynamodb_proxy.unprocessed_rounds == 0  # the proxy really held items back
+    assert dynamodb_proxy.count("BatchWriteItem") > 3
     assert metric(proxied, "ap_dynamodb_unprocessed_items_total") > unprocessed
     assert raw.scan(TableName=table, Select="COUNT")["Count"] == 60
     assert {r.connection_id for r in await proxied.list_connections()} == {
@@ -416,11 +410,11 @@ async def test_unprocessed_items_are_written_again_until_none_are_left(
 
 
 async def test_batch_writes_are_chunked_to_25_items(
-    proxied: DynamoStore, proxy: DynamoFaultProxy
+    proxied: DynamoStore, dynamodb_proxy: DynamoFaultProxy
 ) -> None:
     await proxied.write_connections([sample(f"p-{i:02d}") for i in range(60)], [])
-    assert sorted(proxy.batch_sizes) == [10, 25, 25]
-    proxy.batch_sizes.clear()
+    assert sorted(dynamodb_proxy.batch_sizes) == [10, 25, 25]
+    dynamodb_proxy.batch_sizes.clear()
     assert await proxied.delete_endpoint_connections("http://10.0.0.7:8080") == 60
-    assert sorted(proxy.batch_sizes) == [10, 25, 25]
+    assert sorted(dynamodb_proxy.batch_sizes) == [10, 25, 25]
     assert await proxied.list_connections() == []
