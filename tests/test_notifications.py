@@ -41,6 +41,14 @@ def numbers(client: Client) -> list[int]:
     return [m["payload"]["body"]["n"] for m in notifications(client)]
 
 
+async def pushed_once_in_order(tab: Client, within: float) -> None:
+    """Notifications 1 and 2 reached ``tab``, each once, in order, at offsets 1 and 2."""
+    await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=within)
+    await tab.barrier()
+    assert numbers(tab) == [1, 2]
+    assert tab.offsets("user:alice") == [1, 2]
+
+
 async def reading(running: RunningServer, within: float = 20) -> None:
     """Wait until the node reads the stream (its LATEST iterators taken)."""
     (push,) = [s for s in running.node.services if isinstance(s, NotificationPush)]
@@ -154,10 +162,7 @@ async def test_a_record_published_again_with_no_dedup_trace_is_pushed_once(
     next_reader = another_reader(pushing, stream_table, MemoryDedup())
     assert await next_reader.handle([record_of(sk, "the-record-again")]) == 1
     put_notification(raw, stream_table, "alice", 2)
-    await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=10)
-    await tab.barrier()
-    assert numbers(tab) == [1, 2]
-    assert tab.offsets("user:alice") == [1, 2]
+    await pushed_once_in_order(tab, within=10)
 
 
 async def test_a_record_claimed_by_a_killed_reader_is_pushed_at_once_and_once(
@@ -178,10 +183,7 @@ async def test_a_record_claimed_by_a_killed_reader_is_pushed_at_once_and_once(
     # Done now: a third reading is not published again.
     assert await dedup.claim([key], "a-later-reader", CLAIM_SECONDS) == [Claim.DONE]
     put_notification(raw, stream_table, "alice", 2)
-    await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=10)
-    await tab.barrier()
-    assert numbers(tab) == [1, 2]
-    assert tab.offsets("user:alice") == [1, 2]
+    await pushed_once_in_order(tab, within=10)
 
 
 def test_only_inserts_of_notification_rows_become_notifications() -> None:
@@ -263,10 +265,7 @@ async def test_a_failed_checkpoint_and_a_failed_listing_lose_and_repeat_nothing(
         # One for the shard whose checkpoint failed, one for the term's listing.
         assert metrics.value("ap_stream_reader_failures_total") >= 2
         put_notification(raw, stream_table, "alice", 2)
-        await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=10)
-        await tab.barrier()
-        assert numbers(tab) == [1, 2]
-        assert tab.offsets("user:alice") == [1, 2]
+        await pushed_once_in_order(tab, within=10)
 
 
 async def test_a_batch_whose_claims_redis_refuses_is_handed_on_again_and_pushed_once(
@@ -282,10 +281,7 @@ async def test_a_batch_whose_claims_redis_refuses_is_handed_on_again_and_pushed_
         redis_proxy.cut_before(DEDUP_PREFIX.encode(), 2)
         for n in (1, 2):
             put_notification(raw, stream_table, "alice", n)
-        await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=20)
-        await tab.barrier()
-        assert numbers(tab) == [1, 2]
-        assert tab.offsets("user:alice") == [1, 2]
+        await pushed_once_in_order(tab, within=20)
         metrics = running.node.metrics
         assert redis_proxy.cuts_before_write == 2
         assert metrics.value("ap_stream_reader_failures_total") >= 1
@@ -312,10 +308,7 @@ async def test_an_expired_shard_iterator_is_taken_again_after_the_last_record_re
         await eventually(lambda: proxy.count("GetRecords") > polled, 10, "the next read")
         proxy.fail_operation("GetRecords", 1, "ExpiredIteratorException", 400)
         put_notification(raw, stream_table, "alice", 2)
-        await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=20)
-        await tab.barrier()
-        assert numbers(tab) == [1, 2]
-        assert tab.offsets("user:alice") == [1, 2]
+        await pushed_once_in_order(tab, within=20)
         assert proxy.injected == {"ExpiredIteratorException": 1}
         assert running.node.metrics.value("ap_stream_reader_failures_total") == 0
 
@@ -345,10 +338,7 @@ async def test_a_reader_that_cannot_renew_its_lease_stops_then_resumes_where_it_
         put_notification(raw, stream_table, "alice", 2)
         await asyncio.sleep(1.0)
         assert numbers(tab) == [1]  # not pushed without the lease
-        await tab.wait_for(lambda: len(notifications(tab)) >= 2, within=30)
-        await tab.barrier()
-        assert numbers(tab) == [1, 2]
-        assert tab.offsets("user:alice") == [1, 2]
+        await pushed_once_in_order(tab, within=30)
         assert redis_proxy.cuts_before_write == 14
         assert push.reader.reading
 
