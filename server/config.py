@@ -56,6 +56,7 @@ class Settings:
     history_size: int = 50
     history_ttl: float = 900.0
     stream_meta_ttl: float = 24 * 3600.0
+    history_patience_seconds: float = 30.0
     chat_rate: int = 5
     log_level: str = "INFO"
     log_format: str = "text"
@@ -144,6 +145,8 @@ _HELP: dict[str, str] = {
     "history_size": "events kept per stream for recovery after a reconnect",
     "history_ttl": "seconds a stream's history is kept after its last event",
     "stream_meta_ttl": "seconds a stream's epoch and top offset are kept after its last event",
+    "history_patience_seconds": "seconds a recovery or a stream repair keeps trying its history "
+    "read while Redis is away, before it answers recovered: false",
     "chat_rate": "most chat comments one user may post per 10 s (cluster-wide when clustered)",
     "log_level": "least severe log level written",
     "log_format": "text for people, json for a log collector (one object per line)",
@@ -395,6 +398,7 @@ def _validate(settings: Settings) -> None:
         "max_watched_games_per_user",
         "flood_credits",
         "flood_window_seconds",
+        "history_patience_seconds",
         "ping_interval",  # the keepalive sweep sleeps a share of these
         "ping_timeout",
     ):

@@ -102,7 +102,9 @@ class Node:
             sessions=coordination.bot_sessions,
         )
         # Every history read (recovery, repair) goes out in batches.
-        self.history = HistoryReads(streams, metrics=metrics)
+        self.history = HistoryReads(
+            streams, patience=settings.history_patience_seconds, metrics=metrics
+        )
         self.delivery = StreamDelivery(
             self.index, self.history, self.presence, self.bots.send_pending_turns, limit, metrics
         )

@@ -115,6 +115,7 @@ def test_both_bridges_run_on_a_redis_cluster() -> None:
         (["--heartbeat-seconds", "0"], {}, "heartbeat-seconds must be from 1 to 300"),
         ([], {"AP_HEARTBEAT_SECONDS": "301"}, "heartbeat-seconds must be from 1 to 300"),
         (["--stream-audit-seconds", "-1"], {}, "stream-audit-seconds must be 0"),
+        (["--history-patience-seconds", "0"], {}, "history-patience-seconds must be positive"),
         (["--write-delay-ms", "-1"], {}, "write-delay-ms must be from 0 to 100"),
         (["--write-delay-ms", "250"], {}, "write-delay-ms must be from 0 to 100"),
     ],

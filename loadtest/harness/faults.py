@@ -230,8 +230,10 @@ class TcpFaultProxy:
         self._replies_passable.clear()
 
     def heal(self) -> None:
-        """End a blackhole, held replies and the latency."""
+        """End a blackhole, held replies, the latency and the cuts not yet made."""
         self.latency = 0.0
+        self._cut_patterns.clear()
+        self._drop_patterns.clear()
         self._passable.set()
         self._replies_passable.set()
 

@@ -251,7 +251,8 @@ class StreamDelivery:
                 return  # a message in flight after the last watcher left
             cursor = self.cursors[stream] = StreamCursor()
         arrival = cursor.receive(epoch, offset, repairing=repairing)
-        if arrival.step is Step.GAP:
+        if arrival.step is Step.GAP and not repairing:
+            # Once per hole: one its repair could not fill comes back here as GAP.
             self._counts.stream_gaps.inc()
         if arrival.repair:
             self._repairing[stream] = [(positioned, message)]

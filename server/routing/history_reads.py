@@ -41,7 +41,8 @@ DECODED_CACHE = 16384
 again and again, and an event's bytes at one position never change."""
 PATIENCE_S = 30.0
 """How long a recovery or a repair tries its history read again while Redis is
-away: past a restart or a failover (seconds), short of leaving a tab waiting."""
+away (``--history-patience-seconds``): past a restart or a failover, short of
+leaving a tab waiting."""
 PATIENT_BACKOFF = Backoff(first=0.05, cap=1.0)
 """Between those tries: jittered, so the nodes of a restarted Redis do not all
 read again in step."""
@@ -58,6 +59,7 @@ class HistoryReads:
         batch_size: int = READ_BATCH,
         in_flight: int = BATCHES_IN_FLIGHT,
         *,
+        patience: float = PATIENCE_S,
         metrics: Registry | None = None,
     ) -> None:
         registry = metrics or Registry()
@@ -73,6 +75,7 @@ class HistoryReads:
         self._streams = streams
         self._batch_size = batch_size
         self._max_in_flight = in_flight
+        self._patience = patience
         self._queued: dict[HistoryAsk, asyncio.Future[DecodedRead]] = {}
         self._batches: set[asyncio.Task[None]] = set()
         self._scheduled = False
@@ -107,12 +110,11 @@ class HistoryReads:
                 asyncio.get_running_loop().call_soon(self._send)
         return future
 
-    async def read_patiently(
-        self, stream: str, after: int, within: float = PATIENCE_S
-    ) -> DecodedRead | None:
+    async def read_patiently(self, stream: str, after: int) -> DecodedRead | None:
         """``read``, tried again while Redis is away (a restart, a failover, a
-        blackhole) for up to ``within`` seconds: an answer built without the
+        blackhole) for up to ``patience`` seconds: an answer built without the
         history could only guess the stream's epoch and top. None if it never came."""
+        within = self._patience
         retrying = PATIENT_BACKOFF.start(deadline=time.monotonic() + within)
         while True:
             try:

@@ -3,8 +3,11 @@ found at the second audit that still misses it, and one merely in flight is not.
 
 The node side is the benchmark's stand-in (``Held``): cursors, as ``StreamDelivery``
 holds them, and the streams it was asked to check; the reads are ``RedisStreams``'.
-The last two tests run a whole node: the event reaches the tab, found by the audit
-or, when a later event shows the hole, as that event arrives."""
+The last tests run a whole node: the event reaches the tab, found by the audit or,
+when a later event shows the hole, as that event arrives. And when the history
+stays unreadable past the node's patience (``--history-patience-seconds``), a
+repair or a recovery tells the tab ``recovered: false`` instead of keeping it
+waiting, and live events go on."""
 
 from __future__ import annotations
 
@@ -19,13 +22,16 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from loadtest.harness.faults import TcpFaultProxy
 from loadtest.scenarios.stream_audit import Held
 from protocol.envelope import encode_envelope
 from protocol.messages import Position
 from protocol.parse import parse_broadcast
 from protocol.streams import StreamCursor
-from server.bus.redis_streams import RedisStreams, history_key, meta_key
+from server.bus.redis_streams import READ, RedisStreams, history_key, meta_key
 from server.bus.topics import stream_topic
+from server.redis.scripts import Script
+from server.routing.history_reads import PATIENCE_S
 from server.routing.stream_audit import StreamAudit
 from server.runtime.metrics import Registry
 from tests.client import Client
@@ -171,12 +177,11 @@ async def test_a_move_whose_publish_never_arrived_reaches_the_tab(
     # A node of a cluster, with the audit every 50 ms: move 2 is committed to the
     # game's stream (as another node's publish would), but its pub/sub message never
     # reaches this node, and no later move shows the hole.
-    game_stream = "game:chess#g1"
-    async with heard_move_1(fresh_redis, audit_seconds=0.05) as (server, watcher):
-        position = await append_unheard(fresh_redis.url, game_stream, move(2))
+    async with heard_move_1(fresh_redis.url, stream_audit_seconds=0.05) as (server, watcher):
+        position = await append_unheard(fresh_redis.url, CHESS, move(2))
         assert position.offset == 2
-        await watcher.wait_for(lambda: watcher.offsets(game_stream) == [1, 2])
-        frame = watcher.on_stream(game_stream)[1]
+        await watcher.wait_for(lambda: watcher.offsets(CHESS) == [1, 2])
+        frame = watcher.on_stream(CHESS)[1]
         assert frame["payload"]["n"] == 2 and frame["epoch"] == position.epoch
         assert server.node.metrics.value("ap_stream_audit_missed_total") == 1
 
@@ -187,13 +192,12 @@ async def test_a_move_whose_publish_never_arrived_is_filled_in_when_the_next_one
     # The audit out of the way: here the next move shows the hole as it arrives (a
     # live gap), and the node reads the missing move from history before it
     # delivers the next one.
-    game_stream = "game:chess#g1"
-    async with heard_move_1(fresh_redis, audit_seconds=3600) as (server, watcher):
-        await append_unheard(fresh_redis.url, game_stream, move(2))
+    async with heard_move_1(fresh_redis.url, stream_audit_seconds=3600) as (server, watcher):
+        await append_unheard(fresh_redis.url, CHESS, move(2))
         assert (await server.publish(move(3)))[0] == 202
-        await watcher.wait_for(lambda: len(watcher.offsets(game_stream)) == 3)
-        assert watcher.offsets(game_stream) == [1, 2, 3]
-        assert [frame["payload"]["n"] for frame in watcher.on_stream(game_stream)] == [1, 2, 3]
+        await watcher.wait_for(lambda: len(watcher.offsets(CHESS)) == 3)
+        assert watcher.offsets(CHESS) == [1, 2, 3]
+        assert [frame["payload"]["n"] for frame in watcher.on_stream(CHESS)] == [1, 2, 3]
         metrics = server.node.metrics
         assert metrics.value("ap_stream_gaps_total") == 1
         # Read from history: move 2, and move 3 itself (appended before it was heard).
@@ -201,20 +205,70 @@ async def test_a_move_whose_publish_never_arrived_is_filled_in_when_the_next_one
         assert metrics.value("ap_stream_audit_missed_total") == 0
 
 
+async def test_a_hole_whose_history_stays_unreadable_is_told_lost_and_live_goes_on(
+    fresh_redis: RedisServer, redis_proxy: TcpFaultProxy
+) -> None:
+    # As above, but every history read is cut before it reaches Redis for longer
+    # than the node's patience: the tab learns that move 2 is lost, then gets move 3.
+    async with heard_move_1(
+        redis_proxy.url, stream_audit_seconds=0, history_patience_seconds=1.0
+    ) as (server, watcher):
+        epoch = watcher.on_stream(CHESS)[0]["epoch"]
+        await append_unheard(fresh_redis.url, CHESS, move(2))
+        redis_proxy.cut_before(READ_SHA, 1000)
+        assert (await server.publish(move(3)))[0] == 202
+        lost = await watcher.wait_recovered(CHESS, within=PATIENCE_S / 2)
+        assert lost == {"stream": CHESS, "recovered": False, "epoch": epoch, "offset": 2}
+        await watcher.wait_for(lambda: watcher.offsets(CHESS) == [1, 3])
+        metrics = server.node.metrics
+        assert metrics.value("ap_stream_gaps_total") == 1
+        assert metrics.value("ap_stream_history_retries_total") >= 1
+        assert metrics.value("ap_stream_repaired_events_total") == 0
+        assert metrics.value("ap_stream_losses_total") == 1
+        assert redis_proxy.cuts_before_write >= 2
+
+
+async def test_a_recovery_whose_history_stays_unreadable_answers_lost_then_live_goes_on(
+    redis_proxy: TcpFaultProxy,
+) -> None:
+    # A tab back after move 1, while every history read is cut before it reaches
+    # Redis for longer than the node's patience: recovered: false in the tab's
+    # epoch (nothing can be proven), then the next move live.
+    async with heard_move_1(
+        redis_proxy.url, stream_audit_seconds=0, history_patience_seconds=1.0
+    ) as (server, watcher):
+        epoch = watcher.on_stream(CHESS)[0]["epoch"]
+        await watcher.close()
+        redis_proxy.cut_before(READ_SHA, 1000)
+        since = {CHESS: {"epoch": epoch, "offset": 1}}
+        again = await server.subscribed("alice", games=GAMES, since=since)
+        # Well before the default patience: the setting is what answers.
+        answer = await again.wait_recovered(CHESS, within=PATIENCE_S / 2)
+        assert answer == {"stream": CHESS, "recovered": False, "epoch": epoch, "offset": 0}
+        metrics = server.node.metrics
+        assert metrics.value("ap_stream_history_retries_total") >= 1
+        assert metrics.value("ap_stream_recoveries_failed_total") == 1
+        cuts = redis_proxy.cuts_before_write
+        assert cuts >= 2
+        redis_proxy.heal()
+        assert (await server.publish(move(2)))[0] == 202
+        await again.wait_for(lambda: again.offsets(CHESS) == [2])
+        assert again.on_stream(CHESS)[0]["payload"]["n"] == 2
+        assert redis_proxy.cuts_before_write == cuts
+
+
 @contextlib.asynccontextmanager
 async def heard_move_1(
-    redis: RedisServer, *, audit_seconds: float
+    redis_url: str, **overrides: Any
 ) -> AsyncIterator[tuple[RunningServer, Client]]:
-    """A cluster node auditing its streams every ``audit_seconds``, and a tab on
-    chess#g1 that has heard move 1 (offset 1)."""
-    settings = dataclasses.replace(
-        TEST_SETTINGS, redis_url=redis.url, stream_audit_seconds=audit_seconds
-    )
+    """A cluster node on ``redis_url`` (with ``overrides`` to the test settings),
+    and a tab on chess#g1 that has heard move 1 (offset 1)."""
+    settings = dataclasses.replace(TEST_SETTINGS, redis_url=redis_url, **overrides)
     async with run_server(settings) as server:
-        watcher = await server.subscribed("alice", games=[("chess", "g1")], since={})
+        watcher = await server.subscribed("alice", games=GAMES, since={})
         status, reply = await server.publish(move(1))
         assert status == 202 and isinstance(reply, dict)
-        await watcher.wait_for(lambda: watcher.offsets("game:chess#g1") == [1])
+        await watcher.wait_for(lambda: watcher.offsets(CHESS) == [1])
         yield server, watcher
 
 
@@ -228,6 +282,12 @@ async def append_unheard(url: str, stream: str, event: dict[str, Any]) -> Positi
         return await other.append(stream, encode_envelope(message), ())
     finally:
         await other.close()
+
+
+CHESS = "game:chess#g1"
+GAMES = [("chess", "g1")]
+READ_SHA = Script(READ).sha.encode()
+"""In every history read's ``EVALSHA``, and in no other command."""
 
 
 def move(n: int) -> dict[str, Any]:
