@@ -48,6 +48,7 @@ from server.bus.base import BusDown, MessageHandler
 from server.bus.redis_bus import BusUnavailable, LocalDelivery, ReconnectCallback
 from server.redis.client import make_cluster_client, startup_nodes
 from server.redis.keys import channel_for
+from server.redis.pipe import STALL_TIMEOUT_S
 from server.redis.shard_pipes import ShardPipes
 from server.redis.subscriber import Push, Subscriber
 from server.runtime.backoff import Backoff
@@ -174,6 +175,7 @@ class RedisClusterBus(LocalDelivery):
         keepalive: float = 5.0,
         max_backoff: float = 1.0,
         publish_deadline: float = 10.0,
+        stall_timeout: float = STALL_TIMEOUT_S,
         name: str | None = None,
         metrics: Registry | None = None,
     ) -> None:
@@ -195,7 +197,10 @@ class RedisClusterBus(LocalDelivery):
         # Publishes and stream scripts: one pipelined connection per primary,
         # routed by this client's slot map (the one the readers follow).
         self.pipes = ShardPipes(
-            self._client, client_name=f"ap-cmd:{name}" if name else None, metrics=registry
+            self._client,
+            client_name=f"ap-cmd:{name}" if name else None,
+            stall_timeout=stall_timeout,
+            metrics=registry,
         )
         self._handler: MessageHandler | None = None
         self._topics: set[str] = set()

@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator
 import msgpack
 import pytest
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 
 from loadtest.harness.faults import TcpFaultProxy
-from loadtest.harness.redis_cluster import RedisCluster
+from loadtest.harness.redis_cluster import RedisCluster, redis_cli
 from protocol.envelope import PresenceHint, decode_envelope
 from protocol.messages import PresenceDelta
 from server.bus.base import BusDown
@@ -155,6 +156,53 @@ async def test_a_publish_lost_on_its_way_while_the_subscriber_holds(
         assert metrics.value("ap_bus_local_only_publishes_total") == 1
     finally:
         await bus.close()
+
+
+async def test_a_spublish_its_primary_holds_reaches_this_node_at_once(
+    shared_redis_cluster: RedisCluster,
+) -> None:
+    """The Redis Cluster bus's fallback: the primary that owns the topic's slot
+    holds every write (``CLIENT PAUSE ... WRITE``, as a primary that stops
+    answering would), so the ``SPUBLISH`` stalls past its deadline. By default the
+    message reaches this node's subscribers at once, counted; a caller that must
+    reach the cluster hears ``BusDown``. The subscriptions, which only read, hold.
+
+    A stalled ``SPUBLISH`` is not known to have failed: the primary runs it once
+    it answers again (its connection closed or not), so the copy given here may
+    come again. Only unpositioned admin messages take this path in cluster mode."""
+    topic = "game:chess#spublish-fallback"
+    owner = shared_redis_cluster.owner(key_slot(channel_for(topic).encode()))
+    here, elsewhere, metrics = Inbox(), Inbox(), Registry()
+    bus = RedisClusterBus(
+        shared_redis_cluster.url, publish_deadline=0.2, stall_timeout=0.3, metrics=metrics
+    )
+    other = RedisClusterBus(shared_redis_cluster.url)
+    await bus.start(here)
+    await other.start(elsewhere)
+    try:
+        await bus.subscribe([topic])
+        await other.subscribe([topic])
+        redis_cli(owner, "CLIENT", "PAUSE", "60000", "WRITE")
+        try:
+            await bus.publish(topic, b"here at once")
+            await eventually(lambda: here.on(topic) == [b"here at once"], 5, "local delivery")
+            assert metrics.value("ap_bus_local_only_publishes_total") == 1
+            with pytest.raises(BusDown):
+                await bus.publish(topic, b"required", local_fallback=False)
+            assert bus.connected and other.connected
+            assert here.on(topic) == [b"here at once"] and elsewhere.on(topic) == []
+        finally:
+            redis_cli(owner, "CLIENT", "UNPAUSE")
+        # Through the primary again, after the stalled ones.
+        await bus.publish(topic, b"through Redis", local_fallback=False)
+        for inbox in (here, elsewhere):
+            await eventually(lambda i=inbox: b"through Redis" in i.on(topic), 5, "the next")  # type: ignore[misc]
+            assert inbox.on(topic)[-1] == b"through Redis"
+            assert set(inbox.on(topic)) <= {b"here at once", b"required", b"through Redis"}
+        assert metrics.value("ap_bus_local_only_publishes_total") == 1
+    finally:
+        await bus.close()
+        await other.close()
 
 
 async def test_a_subscription_redis_is_slow_to_confirm_is_kept_and_served(
