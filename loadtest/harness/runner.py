@@ -383,9 +383,16 @@ class Run:
             values.append(self.server_rss(label))
         return int(statistics.median(values))
 
-    async def settle(self, label: str) -> float:
-        """Wait until a server is idle (under ``SETTLED_CORES`` for a second, or
-        ``SETTLE_LIMIT_S`` at most); returns the seconds waited.
+    async def settle(
+        self,
+        label: str,
+        *,
+        cores: float = SETTLED_CORES,
+        quiet_seconds: int = 1,
+        limit: float = SETTLE_LIMIT_S,
+    ) -> float:
+        """Wait until a server is idle (under ``cores`` for ``quiet_seconds``
+        seconds in a row, or ``limit`` at most); returns the seconds waited.
 
         A phase leaves write-behind work queued (on a cluster node, a claim and a
         DynamoDB ``lastSeen`` write per user through moto, seconds of it): it must
@@ -393,10 +400,12 @@ class Run:
         """
         start = last_at = time.monotonic()
         last = self.server_cpu(label)
-        while last_at - start < SETTLE_LIMIT_S:
+        quiet = 0
+        while last_at - start < limit:
             await self.wait_timed(f"{label}: waiting for the node to settle", 1.0)
             now, now_at = self.server_cpu(label), time.monotonic()
-            if now - last < SETTLED_CORES * (now_at - last_at):
+            quiet = quiet + 1 if now - last < cores * (now_at - last_at) else 0
+            if quiet >= quiet_seconds:
                 break
             last, last_at = now, now_at
         return time.monotonic() - start

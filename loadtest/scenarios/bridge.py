@@ -417,7 +417,7 @@ async def bridge(run: Run) -> Result:
     watchers = [Watcher(f"w{i}", i % 2, i // 2) for i in range(watchers_count)]
     clients = await _start_clients(run, nodes, watchers)
     try:
-        settled_s = await _settle(run, nodes)
+        settled_s = await _settle(run)
         idle = await _idle(run, nodes, redis_proc, min(10.0, max(1.0, options.duration / 2)))
         idle["settled_after_s"] = settled_s
         phases: dict[str, Result] = {}
@@ -531,20 +531,15 @@ SETTLED_NODE_CORES = 0.1
 connection row, through moto) once together they use less than this."""
 
 
-async def _settle(run: Run, nodes: Sequence[Proc], limit: float = 90.0) -> float:
+async def _settle(run: Run) -> float:
     """Wait until the nodes' start-up work is over; the seconds it took.
 
     Subscribing 2,000 watchers makes each node write their lastSeen and connection
     rows, thousands of moto calls that go on for seconds after the last subscribe.
     Measured in a phase, they would be charged to the bridge, and slow moto down.
     """
-    started = time.monotonic()
-    quiet = 0
-    while time.monotonic() - started < limit and quiet < 2:
-        before = sum(p.cpu() for p in nodes)
-        await asyncio.sleep(1.0)
-        quiet = quiet + 1 if sum(p.cpu() for p in nodes) - before < SETTLED_NODE_CORES else 0
-    settled = round(time.monotonic() - started, 1)
+    waited = await run.settle("cluster", cores=SETTLED_NODE_CORES, quiet_seconds=2, limit=90.0)
+    settled = round(waited, 1)
     run.progress.log(f"nodes settled after {settled:g} s")
     return settled
 
