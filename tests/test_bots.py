@@ -87,6 +87,7 @@ async def test_pending_turns_list_every_game_where_the_bot_is_to_move(world: Wor
         game("g-simul-mine-2", [BOT, "bob"], (True, False)),
         game("g-simul-done", [BOT, "bob"], (False, True)),
         game("g-bad-index", [BOT, "bob"], "7"),
+        game("g-not-a-number", [BOT, "bob"], "first"),  # a row no backend writes
     ]:
         world.store.put_current_game(BOT, row)
     world.store.put_current_game("alice", game("g-alice-only", ["alice", "bob"], "0"))
