@@ -13,9 +13,10 @@ from collections.abc import Iterator
 import boto3
 import pytest
 from moto.core.models import DEFAULT_ACCOUNT_ID
+from moto.dynamodb.models import DynamoDBBackend
 from moto.sqs.models import sqs_backends
 
-from loadtest.harness.moto_server import serialise_sqs_deletes
+from loadtest.harness.moto_server import _named_item, serialise_sqs_deletes
 from server.store.dynamodb import DynamoStore
 from tests.conftest import TEST_REGION, new_table
 from tests.services import MotoServer, start_moto_server
@@ -185,3 +186,75 @@ def test_a_delete_never_drops_a_message_sent_meanwhile() -> None:
         thread.join(10)
     assert not any(thread.is_alive() for thread in (deleter_a, *others))
     assert [m.body for m in queue._messages] == ["third"]
+
+
+async def test_partiql_updates_apply_to_the_item_they_name_and_no_other(
+    own_moto: MotoServer,
+) -> None:
+    # The launcher shows such an UPDATE only its own item; what it writes must be
+    # what moto's engine writes: the equality decides, nothing is created, the
+    # rest of the table and the other tables are left as they were.
+    tables = [await new_table(own_moto.endpoint) for _ in range(2)]
+    client = boto3.client("dynamodb", endpoint_url=own_moto.endpoint, region_name=TEST_REGION)
+    for table in tables:
+        for user in ("ann", "bob", "cy"):
+            item = {"pk": {"S": "USERS"}, "sk": {"S": user}, "lastSeen": {"N": "1"}}
+            await asyncio.to_thread(client.put_item, TableName=table, Item=item)
+    update = (
+        f'UPDATE "{tables[0]}" SET "lastSeen" = ? WHERE "pk" = ? AND "sk" = ? AND "lastSeen" = ?'
+    )
+
+    def statement(user: str, read: str) -> dict[str, object]:
+        parameters = [{"N": "9"}, {"S": "USERS"}, {"S": user}, {"N": read}]
+        return {"Statement": update, "Parameters": parameters}
+
+    statements = [statement("ann", "1"), statement("bob", "2"), statement("nobody", "1")]
+    await asyncio.to_thread(client.batch_execute_statement, Statements=statements)
+
+    def last_seen(table: str) -> dict[str, str]:
+        items = client.scan(TableName=table, ConsistentRead=True)["Items"]
+        return {item["sk"]["S"]: item["lastSeen"]["N"] for item in items}
+
+    assert await asyncio.to_thread(last_seen, tables[0]) == {"ann": "9", "bob": "1", "cy": "1"}
+    assert await asyncio.to_thread(last_seen, tables[1]) == {"ann": "1", "bob": "1", "cy": "1"}
+
+
+def test_only_an_update_naming_its_whole_key_is_narrowed_to_its_item() -> None:
+    backend = DynamoDBBackend(TEST_REGION, DEFAULT_ACCOUNT_ID)
+    schema = [
+        {"AttributeName": "pk", "KeyType": "HASH"},
+        {"AttributeName": "sk", "KeyType": "RANGE"},
+    ]
+    attributes = [
+        {"AttributeName": "pk", "AttributeType": "S"},
+        {"AttributeName": "sk", "AttributeType": "S"},
+    ]
+    backend.create_table(
+        "t",
+        schema=schema,
+        throughput=None,
+        attr=attributes,
+        global_indexes=None,
+        indexes=None,
+        streams=None,
+        billing_mode="PAY_PER_REQUEST",
+        sse_specification=None,
+        tags=[],
+        deletion_protection_enabled=False,
+        warm_throughput=None,
+    )
+    for user in ("ann", "bob"):
+        backend.put_item("t", {"pk": {"S": "USERS"}, "sk": {"S": user}, "n": {"N": "1"}})
+    update = 'UPDATE "t" SET "n" = ? WHERE "pk" = ? AND "sk" = ? AND "n" = ?'
+    view = _named_item(backend, update, [{"N": "2"}, {"S": "USERS"}, {"S": "bob"}, {"N": "1"}])
+    assert [item.to_json()["Attributes"]["sk"] for item in view.all_items()] == [{"S": "bob"}]
+    assert view.all_indexes() == [] and view.name == "t"
+    missing = _named_item(backend, update, [{"N": "2"}, {"S": "USERS"}, {"S": "zed"}, {"N": "1"}])
+    assert missing.all_items() == []
+    # Anything else runs as moto runs it.
+    no_sort_key = 'UPDATE "t" SET "n" = ? WHERE "pk" = ?'
+    assert _named_item(backend, no_sort_key, [{"N": "2"}, {"S": "USERS"}]) is None
+    select = 'SELECT * FROM "t" WHERE "pk" = ? AND "sk" = ?'
+    assert _named_item(backend, select, [{"S": "USERS"}, {"S": "bob"}]) is None
+    other = 'UPDATE "nope" SET "n" = ? WHERE "pk" = ? AND "sk" = ?'
+    assert _named_item(backend, other, [{"N": "2"}, {"S": "USERS"}, {"S": "bob"}]) is None

@@ -37,6 +37,7 @@ import socket
 import struct
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from loadtest.harness.servers import HOST, free_port
@@ -297,6 +298,10 @@ class DynamoFaultProxy:
       with 500) without reaching the upstream.
     - ``unprocessed_rounds = n``: the next ``n`` BatchWriteItem calls forward only
       the first half of their items and return the rest as ``UnprocessedItems``.
+    - ``fail_statements(codes)``: in the next BatchExecuteStatement, statement
+      ``i`` with a code in ``codes[i]`` is not forwarded and is answered with that
+      error (``ThrottlingError``, ``ConditionalCheckFailed``...), as DynamoDB
+      answers each statement on its own; moto never does.
     - ``drop_response(operation, n)``: the next ``n`` requests of ``operation``
       reach the upstream and are applied there, and their caller gets no
       answer (the connection is closed): a read timeout after the write.
@@ -306,7 +311,8 @@ class DynamoFaultProxy:
     ``operations`` records the DynamoDB operation name of every request seen,
     ``batch_sizes`` the number of items of every BatchWriteItem and
     ``user_agents`` every ``User-Agent`` header. Like DynamoDB
-    (and unlike moto), it refuses a BatchWriteItem of more than 25 items.
+    (and unlike moto), it refuses a BatchWriteItem of more than 25 items and a
+    BatchExecuteStatement of more than 25 statements.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -315,6 +321,7 @@ class DynamoFaultProxy:
         self.batch_sizes: list[int] = []
         self.user_agents: set[str] = set()
         self.unprocessed_rounds = 0
+        self._statement_failures: list[list[str | None]] = []
         self.injected: dict[str, int] = {}
         self._failures: list[tuple[str, int]] = []
         self._operation_failures: dict[str, list[tuple[str, int]]] = {}
@@ -338,6 +345,11 @@ class DynamoFaultProxy:
         """The next ``count`` requests of one operation (``DeleteMessageBatch``) fail."""
         self._operation_failures.setdefault(operation, []).extend([(code, status)] * count)
 
+    def fail_statements(self, codes: Sequence[str | None]) -> None:
+        """The next BatchExecuteStatement: statement ``i`` fails with ``codes[i]``
+        (None, or past the end: forwarded) without reaching the upstream."""
+        self._statement_failures.append(list(codes))
+
     def drop_response(self, operation: str, count: int = 1) -> None:
         self._dropped[operation] = self._dropped.get(operation, 0) + count
 
@@ -357,6 +369,7 @@ class DynamoFaultProxy:
         self._random = None
         self._failures.clear()
         self._operation_failures.clear()
+        self._statement_failures.clear()
         self._dropped.clear()
 
     def count(self, operation: str) -> int:
@@ -422,6 +435,14 @@ class DynamoFaultProxy:
                     400,
                     "Too many items requested for the BatchWriteItem call",
                 )
+        if operation == "BatchExecuteStatement":
+            if len(json.loads(body).get("Statements", [])) > 25:
+                return aws_error(
+                    "ValidationException", 400, "Member must have length less than or equal to 25"
+                )
+            if self._statement_failures:
+                codes = self._statement_failures.pop(0)
+                return await self._answer_statements(request, body, codes)
         held_back: dict[str, list[Any]] = {}
         if operation == "BatchWriteItem" and self.unprocessed_rounds > 0:
             self.unprocessed_rounds -= 1
@@ -434,13 +455,11 @@ class DynamoFaultProxy:
                     held_back[table] = requests[half:]
             document["RequestItems"] = forwarded
             body = json.dumps(document).encode()
-        headers = {
-            name: value
-            for name, value in request.headers.items()
-            if name.lower() not in ("host", "content-length", "transfer-encoding")
-        }
         async with self._session.request(
-            request.method, self.upstream + request.path_qs, headers=headers, data=body
+            request.method,
+            self.upstream + request.path_qs,
+            headers=_forwarded_headers(request),
+            data=body,
         ) as upstream:
             status = upstream.status
             content = await upstream.read()
@@ -457,6 +476,48 @@ class DynamoFaultProxy:
             content = json.dumps(document).encode()
         # botocore checks x-amz-crc32 when present, so it is not copied from upstream.
         return web.Response(status=status, body=content, headers={"Content-Type": content_type})
+
+    async def _answer_statements(
+        self, request: Any, body: bytes, codes: Sequence[str | None]
+    ) -> Any:
+        """Forward the statements that do not fail, then answer every statement in
+        its place: the upstream's answer, or the injected error."""
+        from aiohttp import web
+
+        document = json.loads(body)
+        statements = document["Statements"]
+        failing = {i: code for i, code in enumerate(codes[: len(statements)]) if code is not None}
+        answers: list[Any] = [None] * len(statements)
+        for index, code in failing.items():
+            self.injected[code] = self.injected.get(code, 0) + 1
+            answers[index] = {"Error": {"Code": code, "Message": f"injected {code}"}}
+        forwarded = [i for i in range(len(statements)) if i not in failing]
+        if forwarded:
+            document["Statements"] = [statements[i] for i in forwarded]
+            async with self._session.request(
+                request.method,
+                self.upstream + request.path_qs,
+                headers=_forwarded_headers(request),
+                data=json.dumps(document).encode(),
+            ) as upstream:
+                content = await upstream.read()
+                if upstream.status != 200:
+                    return web.Response(status=upstream.status, body=content)
+            for index, answer in zip(forwarded, json.loads(content)["Responses"], strict=True):
+                answers[index] = answer
+        return web.Response(
+            body=json.dumps({"Responses": answers}).encode(),
+            headers={"Content-Type": "application/x-amz-json-1.0"},
+        )
+
+
+def _forwarded_headers(request: Any) -> dict[str, str]:
+    """A request's headers for the upstream: the body and the host are the proxy's."""
+    return {
+        name: value
+        for name, value in request.headers.items()
+        if name.lower() not in ("host", "content-length", "transfer-encoding")
+    }
 
 
 __all__ = ["DynamoFaultProxy", "TcpFaultProxy", "aws_error"]
