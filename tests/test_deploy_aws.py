@@ -217,6 +217,7 @@ FEATURES: dict[str, Feature] = {
                 "dynamodb:BatchGetItem",
                 "dynamodb:UpdateItem",
                 "dynamodb:BatchWriteItem",
+                "dynamodb:PartiQLUpdate",
             }
         },
         None,
@@ -313,6 +314,15 @@ def _camel(operation: str) -> str:
     return "".join(part.capitalize() for part in operation.split("_"))
 
 
+PARTIQL_ACTIONS = {"batch_execute_statement": "PartiQLUpdate"}
+"""A PartiQL call is authorized by its statements' own actions, not its name: the
+store's only ``BatchExecuteStatement`` sends UPDATEs (the ``lastSeen`` touches)."""
+
+
+def _action(operation: str) -> str:
+    return "dynamodb:" + PARTIQL_ACTIONS.get(operation, _camel(operation))
+
+
 def _store_calls() -> dict[str, set[str]]:
     """DynamoDB operation -> the store functions that call it (server/store/dynamodb*.py)."""
     calls: dict[str, set[str]] = {}
@@ -364,11 +374,9 @@ def test_the_permissions_are_what_the_code_calls() -> None:
     assert {"batch_write_item", "query", "update_item"} <= set(calls), "the scan found nothing"
     serve = {op: fns - NOT_SERVE for op, fns in calls.items() if fns - NOT_SERVE}
     special = STREAM_STORE_FUNCTIONS | BOT_STORE_FUNCTIONS
-    core = {"dynamodb:" + _camel(op) for op, fns in serve.items() if fns - special}
-    stream_only = {
-        "dynamodb:" + _camel(op) for op, fns in serve.items() if fns & STREAM_STORE_FUNCTIONS
-    }
-    bot_only = {"dynamodb:" + _camel(op) for op, fns in serve.items() if fns & BOT_STORE_FUNCTIONS}
+    core = {_action(op) for op, fns in serve.items() if fns - special}
+    stream_only = {_action(op) for op, fns in serve.items() if fns & STREAM_STORE_FUNCTIONS}
+    bot_only = {_action(op) for op, fns in serve.items() if fns & BOT_STORE_FUNCTIONS}
     assert _actions("TablePolicy", "table") == core
     assert _actions("NotificationsPolicy", "table") == stream_only - core == {"dynamodb:PutItem"}
     assert _actions("BotQueuePolicy", "table") == bot_only - core == {"dynamodb:DeleteItem"}

@@ -4,13 +4,15 @@
 
 A connect costs a cluster node DynamoDB calls an embedded node does not make: its
 ``wsConnections`` row (``BatchWriteItem``, 25 rows a call) and its user's
-``lastSeen`` touch (a conditional ``UpdateItem``), both through aiobotocore, on
-the CPU that fans events out (``loadtest/results/HISTORY.md``, 2026-12-06: an
-``UpdateItem`` cost about what one event's delivery to 100 watchers does). This
-measures the CPU of this process (``time.process_time``) per call of the store
-as the node builds it (``server.store.dynamodb.DynamoStore``), with
-``--concurrency`` callers at once, in interleaved rounds: a ``lastSeen`` touch
-that writes, a ``BatchWriteItem`` of 25 connection rows, and a ``GetItem``.
+``lastSeen`` touch, both through aiobotocore, on the CPU that fans events out
+(``loadtest/results/HISTORY.md``, 2026-12-06: an ``UpdateItem`` cost about what
+one event's delivery to 100 watchers does). This measures the CPU of this process
+(``time.process_time``) per call of the store as the node builds it
+(``server.store.dynamodb.DynamoStore``), with ``--concurrency`` callers at once,
+in interleaved rounds: a single ``lastSeen`` touch that writes (the conditional
+``UpdateItem`` of a first visit), the touches of 25 users with a stale
+``lastSeen`` (a ``BatchGetItem`` and a ``BatchExecuteStatement``, as the node
+sends them), a ``BatchWriteItem`` of 25 connection rows, and a ``GetItem``.
 moto runs in a process of its own: its CPU is not counted.
 """
 
@@ -65,7 +67,8 @@ async def run(calls: int, concurrency: int, rounds: int) -> dict[str, Any]:
         await create_table(endpoint, table)
         # Every touch must write: a user of its own, lastSeen long past.
         warmup = concurrency * WARMUP_CALLS_PER_CALLER
-        users = [f"touch{i}" for i in range(warmup + calls * rounds)]
+        batched = ROWS_PER_BATCH * (warmup + calls // BATCH_CALLS_DIVISOR * rounds)
+        users = [f"touch{i}" for i in range(warmup + calls * rounds + batched)]
         await asyncio.to_thread(seed_users, endpoint, table, users)
         store = DynamoStore(table, FAKE_AWS["AWS_DEFAULT_REGION"], endpoint)
         await store.start()
@@ -89,6 +92,13 @@ async def _measure(
         next_user += 1
         assert await store.touch_last_seen(user, now_ms), f"{user}'s lastSeen not written"
 
+    async def touch_many(_: int) -> None:
+        nonlocal next_user
+        batch = users[next_user : next_user + ROWS_PER_BATCH]
+        next_user += ROWS_PER_BATCH
+        written = await store.touch_last_seen_many(dict.fromkeys(batch, now_ms))
+        assert written == set(batch), f"{len(batch) - len(written)} lastSeen not written"
+
     async def batch_write(index: int) -> None:
         round_id = uuid.uuid4().hex[:6]
         rows = [_row(round_id, index * ROWS_PER_BATCH + i) for i in range(ROWS_PER_BATCH)]
@@ -99,6 +109,10 @@ async def _measure(
 
     measured: dict[str, tuple[Call, int]] = {
         "UpdateItem (lastSeen, written)": (touch, calls_made(calls, concurrency)),
+        f"lastSeen of {ROWS_PER_BATCH} users (BatchGetItem + BatchExecuteStatement)": (
+            touch_many,
+            calls_made(calls // BATCH_CALLS_DIVISOR, concurrency),
+        ),
         f"BatchWriteItem ({ROWS_PER_BATCH} wsConnections rows)": (
             batch_write,
             calls_made(calls // BATCH_CALLS_DIVISOR, concurrency),

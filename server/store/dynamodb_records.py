@@ -23,7 +23,13 @@ from server.store.base import (
     CurrentGame,
     StoreUnavailable,
 )
-from server.store.keys import Item, current_game_from_item, number, parse_int
+from server.store.keys import (
+    AttributeValue,
+    Item,
+    current_game_from_item,
+    number,
+    parse_int,
+)
 from server.store.records import AppendOutcome, AppendStatus, GameAccess, GameStatus, StoredComment
 
 log = logging.getLogger(__name__)
@@ -40,8 +46,22 @@ condition expressions, which DynamoDB caps at 4 KB each."""
 
 MARK_CONCURRENCY = 8
 
+LAST_SEEN_STATEMENTS = 25
+"""``lastSeen`` updates in one ``BatchExecuteStatement``: its limit."""
+RETRYABLE_STATEMENT_ERRORS = frozenset(
+    {
+        "InternalServerError",
+        "ProvisionedThroughputExceeded",
+        "RequestLimitExceeded",
+        "ThrottlingError",
+        "TransactionConflict",
+    }
+)
+"""A statement's own error codes that mean "send it again", not "not written"."""
+
 UNPROCESSED_KEYS_BACKOFF = Backoff(first=0.05, cap=0.05, jitter=0.0, attempts=8)
-"""BatchGetItem rounds for keys DynamoDB left unprocessed (it does so under load)."""
+"""Rounds for what a batch call left undone under load: BatchGetItem's unprocessed
+keys, BatchExecuteStatement's throttled statements."""
 
 
 def _key(pk: str, sk: str) -> Item:
@@ -424,25 +444,33 @@ class GameRecordsMixin:
 
     async def touch_last_seen_many(self, touches: Mapping[str, int]) -> set[str]:
         """A BatchGetItem per 100 users finds the rows that need a write (missing rows
-        and fresh ``lastSeen`` need none); only those get the conditional UpdateItem,
-        which still decides: a row written meanwhile is left alone.
+        and fresh ``lastSeen`` need none). Rows that have a stale ``lastSeen`` are
+        written 25 to a PartiQL ``BatchExecuteStatement``, each update conditional on
+        ``lastSeen`` still holding the value read: a row written meanwhile is left
+        alone. A row with no ``lastSeen`` yet gets the conditional UpdateItem of
+        :meth:`touch_last_seen` (no equality can say "still missing").
 
-        DynamoDB has two batched conditional writes, and neither fits: PartiQL's
-        BatchExecuteStatement takes a WHERE that moto does not evaluate (equalities
-        only), and TransactWriteItems is all or nothing at twice the write cost
-        (moto copies the whole table for each of its items).
+        Equalities, because moto, which the tests run against, evaluates only those
+        in a PartiQL ``WHERE`` (it takes ``<`` and ``IS MISSING`` as true; and where
+        an equality fails it answers no error, so it counts such a row as written).
+        TransactWriteItems would be all or nothing at twice the write cost.
         """
         if not touches:
             return set()
         rows = await self._batch_get([(r.USERS_PK, user) for user in touches], (r.LAST_SEEN,))
-        due = []
+        stale: list[tuple[str, AttributeValue]] = []
+        unseen: list[str] = []
         for user, at in touches.items():
             row = rows.get((r.USERS_PK, user))
             if row is None:
                 continue
-            last = parse_int(row.get(r.LAST_SEEN))
+            read = row.get(r.LAST_SEEN)
+            if read is None:
+                unseen.append(user)
+                continue
+            last = parse_int(read)
             if last is None or last < at - r.LAST_SEEN_INTERVAL_MS:
-                due.append(user)
+                stale.append((user, read))
         written: set[str] = set()
         gate = asyncio.Semaphore(MARK_CONCURRENCY)
 
@@ -451,10 +479,63 @@ class GameRecordsMixin:
                 if await self.touch_last_seen(user, touches[user]):
                     written.add(user)
 
-        async with asyncio.TaskGroup() as group:
-            for user in due:
-                group.create_task(touch(user))
+        async def touch_chunk(chunk: list[tuple[str, AttributeValue]]) -> None:
+            async with gate:
+                written.update(await self._touch_still_as_read(chunk, touches))
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for start in range(0, len(stale), LAST_SEEN_STATEMENTS):
+                    group.create_task(touch_chunk(stale[start : start + LAST_SEEN_STATEMENTS]))
+                for user in unseen:
+                    group.create_task(touch(user))
+        except* StoreUnavailable as failed:
+            raise failed.exceptions[0] from None  # what every store method raises
         return written
+
+    async def _touch_still_as_read(
+        self, chunk: Sequence[tuple[str, AttributeValue]], touches: Mapping[str, int]
+    ) -> set[str]:
+        """One ``BatchExecuteStatement``: each user's ``lastSeen`` set to its touch,
+        where it still holds the value read. Statements DynamoDB throttled or failed
+        inside are sent again; a failed condition means "written meanwhile"."""
+        update = (
+            f'UPDATE "{self.table}" SET "{r.LAST_SEEN}" = ? '
+            f'WHERE "pk" = ? AND "sk" = ? AND "{r.LAST_SEEN}" = ?'
+        )
+        pending = {
+            user: {
+                "Statement": update,
+                "Parameters": [number(touches[user]), {"S": r.USERS_PK}, {"S": user}, read],
+            }
+            for user, read in chunk
+        }
+        written: set[str] = set()
+        retrying = UNPROCESSED_KEYS_BACKOFF.start()
+        while True:
+            users = list(pending)
+            response = await self._call(
+                "batch_execute_statement", Statements=[pending[user] for user in users]
+            )
+            again: dict[str, dict[str, Any]] = {}
+            for user, answer in zip(users, response.get("Responses", []), strict=True):
+                error = answer.get("Error")
+                if error is None:
+                    written.add(user)
+                elif error.get("Code") in RETRYABLE_STATEMENT_ERRORS:
+                    again[user] = pending[user]
+                elif error.get("Code") != "ConditionalCheckFailed":
+                    raise StoreUnavailable(
+                        f"lastSeen of {user!r} not written: {error.get('Code')}: "
+                        f"{error.get('Message', '')}"
+                    )
+            if not again:
+                return written
+            if not await retrying.wait():
+                raise StoreUnavailable(
+                    f"BatchExecuteStatement on {self.table!r} left {len(again)} updates undone"
+                )
+            pending = again
 
     # --- a bot's candidate games (BOTTURNS#) -------------------------------------------
 

@@ -18,6 +18,7 @@ import pytest
 
 from server.store import ConnectionRecord, StoreUnavailable, keys, ttl_from_now
 from server.store.dynamodb import START_ATTEMPTS, DynamoStore, create_table
+from server.store.records import LAST_SEEN_INTERVAL_MS
 from tests.services import DynamoFaultProxy, ensure_fake_aws_credentials
 
 REGION = "us-east-1"
@@ -418,3 +419,72 @@ async def test_batch_writes_are_chunked_to_25_items(
     assert await proxied.delete_endpoint_connections("http://10.0.0.7:8080") == 60
     assert sorted(dynamodb_proxy.batch_sizes) == [10, 25, 25]
     assert await proxied.list_connections() == []
+
+
+# ------------------------------------------- lastSeen: 25 updates a BatchExecuteStatement
+
+
+def seed_users(raw: Any, table: str, users: dict[str, int | None]) -> None:
+    """USERS rows, with ``lastSeen`` where the value is not None."""
+    for user, last in users.items():
+        item = {"pk": {"S": "USERS"}, "sk": {"S": user}, "name": {"S": user.title()}}
+        if last is not None:
+            item["lastSeen"] = {"N": str(last)}
+        raw.put_item(TableName=table, Item=item)
+
+
+def last_seen(raw: Any, table: str, user: str) -> int | None:
+    item = raw.get_item(
+        TableName=table, Key={"pk": {"S": "USERS"}, "sk": {"S": user}}, ConsistentRead=True
+    )["Item"]
+    assert item["name"] == {"S": user.title()}  # the rest of the row is untouched
+    return int(item["lastSeen"]["N"]) if "lastSeen" in item else None
+
+
+NOW = 10 * LAST_SEEN_INTERVAL_MS
+STALE = NOW - LAST_SEEN_INTERVAL_MS - 1
+
+
+async def test_stale_last_seen_goes_25_to_a_statement_batch_and_a_first_one_alone(
+    proxied: DynamoStore, dynamodb_proxy: DynamoFaultProxy, raw: Any, table: str
+) -> None:
+    users: dict[str, int | None] = {f"s{i:02d}": STALE for i in range(60)}
+    users["first-visit"] = None  # no lastSeen yet: no equality can say "still missing"
+    seed_users(raw, table, users)
+    assert await proxied.touch_last_seen_many(dict.fromkeys(users, NOW)) == set(users)
+    assert dynamodb_proxy.count("BatchExecuteStatement") == 3  # 25, 25 and 10
+    assert dynamodb_proxy.count("UpdateItem") == 1
+    assert {user: last_seen(raw, table, user) for user in users} == dict.fromkeys(users, NOW)
+
+
+async def test_statements_dynamodb_throttles_are_sent_again_and_a_failed_condition_is_left(
+    proxied: DynamoStore, dynamodb_proxy: DynamoFaultProxy, raw: Any, table: str
+) -> None:
+    seed_users(raw, table, {"ann": STALE, "bob": STALE, "cy": STALE})
+    dynamodb_proxy.fail_statements(["ThrottlingError", "ConditionalCheckFailed"])
+    written = await proxied.touch_last_seen_many({"ann": NOW, "bob": NOW, "cy": NOW})
+    assert written == {"ann", "cy"}  # bob's row was written meanwhile, as far as we know
+    assert dynamodb_proxy.count("BatchExecuteStatement") == 2  # ann's statement again
+    assert [last_seen(raw, table, u) for u in ("ann", "bob", "cy")] == [NOW, STALE, NOW]
+
+
+async def test_a_statement_refused_for_another_reason_is_store_unavailable(
+    proxied: DynamoStore, dynamodb_proxy: DynamoFaultProxy, raw: Any, table: str
+) -> None:
+    seed_users(raw, table, {"ann": STALE, "bob": STALE})
+    dynamodb_proxy.fail_statements([None, "ValidationError"])
+    with pytest.raises(StoreUnavailable, match=r"'bob'.*ValidationError"):
+        await proxied.touch_last_seen_many({"ann": NOW, "bob": NOW})
+    assert dynamodb_proxy.count("BatchExecuteStatement") == 1
+    assert last_seen(raw, table, "bob") == STALE
+
+
+async def test_a_last_seen_written_since_it_was_read_is_left_alone(
+    store: DynamoStore, raw: Any, table: str
+) -> None:
+    # The race the condition is for (another node, or the backend, wrote the row
+    # between the store's read and its update); moto evaluates this equality.
+    seed_users(raw, table, {"ann": STALE + 5})
+    read_before = {"N": str(STALE)}
+    await store._touch_still_as_read([("ann", read_before)], {"ann": NOW})
+    assert last_seen(raw, table, "ann") == STALE + 5
