@@ -142,9 +142,10 @@ def _named_item(backend: DynamoDBBackend, statement: str, parameters: list[Any])
     except Exception:
         return None  # moto's own path reports it
     table = backend.tables.get(table_name)
-    if table is None or len(parameters) != sum(v == "?" for _, v in updates + filters):
+    set_by_parameter = sum(value == "?" for _, value in updates)
+    if table is None or len(parameters) != set_by_parameter + sum(v == "?" for _, v in filters):
         return None
-    values = iter(parameters[sum(v == "?" for _, v in updates) :])
+    values = iter(parameters[set_by_parameter:])
     named = {name: next(values) for name, value in filters if value == "?"}
     keys = [table.hash_key_attr] + ([table.range_key_attr] if table.range_key_attr else [])
     if not all(key in named for key in keys):
