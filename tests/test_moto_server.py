@@ -17,7 +17,7 @@ from moto.dynamodb.models import DynamoDBBackend
 from moto.sqs.models import sqs_backends
 
 from loadtest.harness.moto_server import _named_item, serialise_sqs_deletes
-from server.store.dynamodb import DynamoStore
+from server.store.dynamodb import KEY_ATTRIBUTES, KEY_SCHEMA, DynamoStore
 from tests.conftest import TEST_REGION, new_table
 from tests.services import MotoServer, start_moto_server
 
@@ -221,19 +221,11 @@ async def test_partiql_updates_apply_to_the_item_they_name_and_no_other(
 
 def test_only_an_update_naming_its_whole_key_is_narrowed_to_its_item() -> None:
     backend = DynamoDBBackend(TEST_REGION, DEFAULT_ACCOUNT_ID)
-    schema = [
-        {"AttributeName": "pk", "KeyType": "HASH"},
-        {"AttributeName": "sk", "KeyType": "RANGE"},
-    ]
-    attributes = [
-        {"AttributeName": "pk", "AttributeType": "S"},
-        {"AttributeName": "sk", "AttributeType": "S"},
-    ]
     backend.create_table(
         "t",
-        schema=schema,
+        schema=KEY_SCHEMA,
         throughput=None,
-        attr=attributes,
+        attr=KEY_ATTRIBUTES,
         global_indexes=None,
         indexes=None,
         streams=None,

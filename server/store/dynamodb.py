@@ -693,6 +693,16 @@ def _check_description(description: dict[str, Any], table: str, where: str) -> N
 TABLE_WAIT_DELAY_SECONDS = 1
 TABLE_WAIT_MAX_ATTEMPTS = 120
 
+KEY_SCHEMA = [
+    {"AttributeName": keys.PK, "KeyType": "HASH"},
+    {"AttributeName": keys.SK, "KeyType": "RANGE"},
+]
+"""The table's key, as CreateTable takes it: string ``pk`` and ``sk``."""
+KEY_ATTRIBUTES = [
+    {"AttributeName": keys.PK, "AttributeType": "S"},
+    {"AttributeName": keys.SK, "AttributeType": "S"},
+]
+
 
 async def create_table(
     endpoint_url: str | None, table: str = "abstract-play-dev", region: str = "us-east-1"
@@ -718,14 +728,8 @@ async def create_table(
                 counters=counters,
                 passthrough=frozenset({RESOURCE_IN_USE}),
                 TableName=table,
-                AttributeDefinitions=[
-                    {"AttributeName": keys.PK, "AttributeType": "S"},
-                    {"AttributeName": keys.SK, "AttributeType": "S"},
-                ],
-                KeySchema=[
-                    {"AttributeName": keys.PK, "KeyType": "HASH"},
-                    {"AttributeName": keys.SK, "KeyType": "RANGE"},
-                ],
+                AttributeDefinitions=KEY_ATTRIBUTES,
+                KeySchema=KEY_SCHEMA,
                 BillingMode="PAY_PER_REQUEST",
             )
             log.info("created DynamoDB table %r at %s", table, where)

@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 
 from server.store import ConnectionRecord, StoreUnavailable, keys, ttl_from_now
-from server.store.dynamodb import START_ATTEMPTS, DynamoStore, create_table
+from server.store.dynamodb import (
+    KEY_ATTRIBUTES,
+    KEY_SCHEMA,
+    START_ATTEMPTS,
+    DynamoStore,
+    create_table,
+)
 from server.store.records import LAST_SEEN_INTERVAL_MS
 from tests.services import DynamoFaultProxy, ensure_fake_aws_credentials
 
@@ -239,14 +245,8 @@ async def test_create_table_enables_ttl_on_an_existing_table_without_it(
     name = f"bare-{uuid.uuid4().hex[:12]}"
     raw.create_table(
         TableName=name,
-        AttributeDefinitions=[
-            {"AttributeName": "pk", "AttributeType": "S"},
-            {"AttributeName": "sk", "AttributeType": "S"},
-        ],
-        KeySchema=[
-            {"AttributeName": "pk", "KeyType": "HASH"},
-            {"AttributeName": "sk", "KeyType": "RANGE"},
-        ],
+        AttributeDefinitions=KEY_ATTRIBUTES,
+        KeySchema=KEY_SCHEMA,
         BillingMode="PAY_PER_REQUEST",
     )
     assert (
