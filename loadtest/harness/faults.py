@@ -436,13 +436,14 @@ class DynamoFaultProxy:
                     "Too many items requested for the BatchWriteItem call",
                 )
         if operation == "BatchExecuteStatement":
-            if len(json.loads(body).get("Statements", [])) > 25:
+            document = json.loads(body)
+            if len(document.get("Statements", [])) > 25:
                 return aws_error(
                     "ValidationException", 400, "Member must have length less than or equal to 25"
                 )
             if self._statement_failures:
                 codes = self._statement_failures.pop(0)
-                return await self._answer_statements(request, body, codes)
+                return await self._answer_statements(request, document, codes)
         held_back: dict[str, list[Any]] = {}
         if operation == "BatchWriteItem" and self.unprocessed_rounds > 0:
             self.unprocessed_rounds -= 1
@@ -478,13 +479,12 @@ class DynamoFaultProxy:
         return web.Response(status=status, body=content, headers={"Content-Type": content_type})
 
     async def _answer_statements(
-        self, request: Any, body: bytes, codes: Sequence[str | None]
+        self, request: Any, document: dict[str, Any], codes: Sequence[str | None]
     ) -> Any:
         """Forward the statements that do not fail, then answer every statement in
         its place: the upstream's answer, or the injected error."""
         from aiohttp import web
 
-        document = json.loads(body)
         statements = document["Statements"]
         failing = {i: code for i, code in enumerate(codes[: len(statements)]) if code is not None}
         answers: list[Any] = [None] * len(statements)
