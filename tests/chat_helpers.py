@@ -62,6 +62,15 @@ def seed_game(
     )
 
 
+def complete_game(rows: Rows, game: tuple[str, str]) -> None:
+    """End a game the backend's way: its row moves from ``#0#`` to ``#1#``."""
+    meta, game_id = game
+    active = rows.get("GAME", f"{meta}#0#{game_id}")
+    assert active is not None, f"{game} is not an active game"
+    rows.put("GAME", f"{meta}#1#{game_id}", active)
+    rows.delete("GAME", f"{meta}#0#{game_id}")
+
+
 def put_game_row(raw: Any, table: str, players: list[str]) -> None:
     """The ``GAME`` row of chess game g1, put with a plain boto3 client (the backend's way)."""
     raw.put_item(

@@ -54,6 +54,12 @@ class Rows:
             Item={k: _serializer.serialize(v) for k, v in item.items()},
         )
 
+    def delete(self, pk: str, sk: str) -> None:
+        if isinstance(self.store, MemoryStore):
+            self.store.delete_row(pk, sk)
+            return
+        self._client.delete_item(TableName=self._table, Key={"pk": {"S": pk}, "sk": {"S": sk}})
+
     def get(self, pk: str, sk: str) -> dict[str, Any] | None:
         if isinstance(self.store, MemoryStore):
             return self.store.get_row(pk, sk)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import math
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from protocol.chat import comment_weight
+from server.services.game_access import FRESH_SECONDS, STALE_SECONDS
 from server.store.records import comment_key
 from tests.chat_helpers import post
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
@@ -47,6 +51,15 @@ def seed_game(raw: Any, table: str, players: list[str], *, completed: bool = Fal
         players={"L": [{"M": {"id": {"S": p}, "name": {"S": p.title()}}} for p in players]},
         state={"S": "{}" * 2000},
     )
+
+
+def end_game(raw: Any, table: str) -> None:
+    """The backend's way: the row moves from ``#0#`` to ``#1#``."""
+    meta, game_id = GAME
+    active = get(raw, table, "GAME", f"{meta}#0#{game_id}")
+    assert active is not None
+    raw.put_item(TableName=table, Item={**active, "sk": {"S": f"{meta}#1#{game_id}"}})
+    raw.delete_item(TableName=table, Key={"pk": {"S": "GAME"}, "sk": {"S": f"{meta}#0#{game_id}"}})
 
 
 def typed_comment(text: str, user: str, move: int, ts: int) -> dict[str, Any]:
@@ -227,6 +240,9 @@ async def test_a_store_outage_answers_unavailable_and_the_retry_is_stored_once(
         assert down["verb"] == "error"
         assert down["payload"]["code"] == "unavailable"
         assert down["payload"]["clientMsgId"] == "o1"
+        # A game not read before: its authorization read is what fails.
+        unread = await post(alice, ("chess", "g2"), "unread", msg_id="o2", within=60)
+        assert unread["verb"] == "error" and unread["payload"]["code"] == "unavailable"
         proxy.recover()
         again = await post(alice, GAME, "during the outage", msg_id="o1")
         assert again["verb"] == "chatAck"
@@ -237,3 +253,41 @@ async def test_a_store_outage_answers_unavailable_and_the_retry_is_stored_once(
         "through a throttle",
         "during the outage",
     ]
+
+
+async def test_a_busy_game_is_read_once_a_second_at_most_and_its_end_refused_within_stale(
+    dynamodb_proxy: DynamoFaultProxy, table: str, raw: Any
+) -> None:
+    seed_game(raw, table, ["alice", "bob"])
+    proxy = dynamodb_proxy
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        store="dynamodb",
+        dynamodb_endpoint=proxy.endpoint,
+        table=table,
+        chat_rate=100,
+    )
+    async with run_server(settings) as running:
+        alice = await running.subscribed("alice", games=[GAME])
+        proxy.operations.clear()
+        started = time.monotonic()
+        for number in range(10):
+            assert (await post(alice, GAME, f"comment {number}"))["verb"] == "chatAck"
+        elapsed = time.monotonic() - started
+        # One read, then one behind the comments each time the kept row is past fresh.
+        reads = proxy.operations.count("GetItem")
+        assert 1 <= reads <= 1 + math.ceil(elapsed / FRESH_SECONDS), (reads, elapsed)
+        ended = time.monotonic()
+        end_game(raw, table)
+        sent_acked: list[float] = []
+        while True:
+            sent = time.monotonic()
+            reply = await post(alice, GAME, "still on?")
+            if reply["verb"] == "error":
+                assert reply["payload"]["code"] == "game_completed"
+                break
+            sent_acked.append(sent - ended)
+            assert sent - ended < 2 * STALE_SECONDS, sent_acked
+            await asyncio.sleep(0.1)
+        # Every comment was judged on a read begun at most STALE_SECONDS before it.
+        assert all(after < STALE_SECONDS for after in sent_acked), sent_acked

@@ -13,6 +13,7 @@ from typing import Any
 import redis.asyncio
 
 from server.coordination.game_lock import lock_key
+from server.runtime.metrics import Registry
 from tests.chat_helpers import chat_message, post, put_game_row, replies
 from tests.conftest import TEST_SETTINGS, run_server
 from tests.services import DynamoFaultProxy, RedisServer
@@ -20,15 +21,22 @@ from tests.services import DynamoFaultProxy, RedisServer
 GAME = ("chess", "g1")
 
 
-async def queued_and_read(proxy: DynamoFaultProxy, count: int, within: float = 10.0) -> None:
-    """``count`` authorization reads sent, and none still running in this loop."""
+def authorizations(metrics: Registry) -> float:
+    """Chat authorizations answered, from the kept GAME row or from a read."""
+    return metrics.value("ap_chat_access_cached_total") + metrics.value(
+        "ap_chat_access_reads_total"
+    )
+
+
+async def queued_and_authorized(metrics: Registry, target: float, within: float = 10.0) -> None:
+    """``target`` authorizations answered in all, and none still running in this loop."""
     deadline = time.monotonic() + within
 
-    def reading() -> bool:
+    def authorizing() -> bool:
         return any(t.get_name() == "chat-authorize" and not t.done() for t in asyncio.all_tasks())
 
-    while proxy.operations.count("GetItem") < count or reading():
-        assert time.monotonic() < deadline, proxy.operations
+    while authorizations(metrics) < target or authorizing():
+        assert time.monotonic() < deadline, authorizations(metrics)
         await asyncio.sleep(0.01)
 
 
@@ -65,14 +73,16 @@ async def test_comments_queued_behind_the_lock_are_written_in_one_batch_in_order
             await bob.wait_for(lambda: len(bob.of_verb("game")) == 1)
             batches = running.node.metrics.value("ap_chat_batches_total")
             proxy.operations.clear()
+            metrics = running.node.metrics
+            answered = authorizations(metrics)
             # Another holder has the game: what alice sends now waits in the queue.
             await lock.set(lock_key("chess#g1"), "someone-else", px=30_000)
             ids = [f"m{i}" for i in range(5)]
             for number, msg_id in enumerate(ids):
                 await alice.send(chat_message(GAME, f"comment {number}", msg_id=msg_id))
-            # Each comment's authorization is read once it is queued: all five are
-            # queued, and read (the node runs in this loop: its reads are tasks here).
-            await queued_and_read(proxy, 5)
+            # Each comment is authorized once it is queued: all five are queued, and
+            # authorized (the node runs in this loop: its reads are tasks here).
+            await queued_and_authorized(metrics, answered + 5)
             assert proxy.operations.count("UpdateItem") == 0
             assert not any(replies(alice, m) for m in ids)
             await lock.delete(lock_key("chess#g1"))

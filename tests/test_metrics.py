@@ -83,6 +83,8 @@ async def test_every_part_of_a_node_counts_on_its_registry() -> None:
         "ap_stream_history_bytes",
         "ap_chat_comments_stored_total",
         "ap_chat_batches_total",
+        "ap_chat_access_reads_total",
+        "ap_chat_access_cached_total",
         "ap_chat_batch_store_seconds_total",
         "ap_chat_mark_backlog",
         "ap_game_lock_timeouts_total",

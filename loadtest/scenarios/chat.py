@@ -249,7 +249,13 @@ def batch_figures(before: dict[str, float], after: dict[str, float]) -> dict[str
 
     batches = grew("ap_chat_batches_total")
     stored = grew("ap_chat_comments_stored_total")
-    figures = {"batches": batches, "comments_per_batch": round(stored / max(1, batches), 2)}
+    figures = {
+        "batches": batches,
+        "comments_per_batch": round(stored / max(1, batches), 2),
+        # authorizations: GAME row reads, and answers from the row a node kept
+        "game_row_reads": grew("ap_chat_access_reads_total"),
+        "game_row_kept": grew("ap_chat_access_cached_total"),
+    }
     for key, name in BATCH_COUNTERS.items():
         figures[f"mean_{key}"] = round(grew(name) * 1000 / max(1, batches), 2)
     return figures

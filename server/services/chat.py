@@ -4,8 +4,8 @@ The path of one ``chat`` action (``docs/protocol.md``, "Chat"):
 
 1. the author's rate (``--chat-rate`` per 10 s, cluster-wide when clustered);
 2. authorization as today: the active ``GAME`` row's players (read with a
-   projection), or a site admin (``USER.admin``); completed and unknown games
-   are refused;
+   projection, and kept a few seconds: :mod:`server.services.game_access`), or a
+   site admin (``USER.admin``); completed and unknown games are refused;
 3. the game's group commit (:mod:`server.runtime.group_commit`): comments queued
    on the game while a batch is being written go together in the next one, taken
    once the writer holds the lock (what queued while it waited goes in too).
@@ -41,6 +41,7 @@ from server.runtime.group_commit import GroupClosed, GroupCommit, Turn
 from server.runtime.metrics import Registry
 from server.services import Publish
 from server.services.chat_marks import ChatMarks
+from server.services.game_access import GameAccessCache
 from server.session import Session
 from server.store.base import Store, StoreUnavailable
 from server.store.records import AppendStatus, GameStatus, StoredComment, comment_key
@@ -119,10 +120,12 @@ class ChatService:
         marks: ChatMarks,
         outbox_limit: int,
         *,
+        access: GameAccessCache | None = None,
         metrics: Registry | None = None,
     ) -> None:
         self._counters = _ChatCounters(metrics or Registry())
         self._store = store
+        self._access = access or GameAccessCache(store.get_game_access, metrics=metrics)
         self._publish = publish
         self._locks = locks
         self._limiter = limiter
@@ -135,6 +138,7 @@ class ChatService:
 
     async def close(self) -> None:
         await self._commits.close(grace=CLOSE_GRACE_SECONDS)
+        await self._access.close()
         await self._locks.close()
         await self._limiter.close()
 
@@ -154,7 +158,7 @@ class ChatService:
                 ),
             )
             return
-        # Authorized while it waits for its batch: the read is rarely on the comment's path.
+        # Authorized while it waits for its batch; a busy game's row is kept, not read.
         players = asyncio.create_task(self._authorize(user_id, action), name="chat-authorize")
         queued = _Post(session, user_id, action, players)
         written = self._commits.submit(action.key, queued)
@@ -259,7 +263,7 @@ class ChatService:
         return answers
 
     async def _authorize(self, user_id: str, action: Chat) -> tuple[str, ...]:
-        access = await self._store.get_game_access(action.meta, action.game_id)
+        access = await self._access.get(action.meta, action.game_id)
         if access.status is GameStatus.MISSING:
             raise ChatRefused(ErrorCode.GAME_NOT_FOUND, "game not found")
         if access.status is GameStatus.COMPLETED:

@@ -51,6 +51,10 @@ class MemoryStore:
         """Replace a whole row (a copy is kept)."""
         self._rows[(pk, sk)] = copy.deepcopy(attributes)
 
+    def delete_row(self, pk: str, sk: str) -> None:
+        """Remove a row, if there is one."""
+        self._rows.pop((pk, sk), None)
+
     def get_row(self, pk: str, sk: str) -> Row | None:
         """A copy of a row, or None."""
         row = self._rows.get((pk, sk))
