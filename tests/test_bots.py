@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import redis.asyncio
 
 from loadtest.harness.faults import TcpFaultProxy
+from protocol.errors import MAX_WATCHED_GAMES
 from server.coordination.bot_sessions import sessions_key
+from server.services.bots import PRUNE_GRACE_MS
 from server.store import BotRecord, CurrentGame, MemoryStore
 from server.store.dynamodb import DynamoStore
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, run_server
-from tests.services import DynamoFaultProxy
+from tests.services import DynamoFaultProxy, RedisServer
 from tests.tokens import BOT_SCOPE, HUMAN_CLIENT_ID, JwksServer, Pool
 from tests.waiting import eventually, eventually_read
 
@@ -443,3 +447,113 @@ async def test_a_drain_closes_bots_with_1012_without_a_presence_grace(world: Wor
     assert (await bot.closed())[0] == 1012
     assert world.server.node.presence.local.user_count == 0
     assert world.server.node.sessions == set()
+
+
+async def test_a_node_that_stops_drops_its_bots_marks_at_once(
+    jwks: JwksServer, fresh_redis: RedisServer
+) -> None:
+    """A stopped node's bots are told to reconnect; until they have, the bot queue
+    bridge must send their messages to the webhook, not to a mark that lapses only
+    ``MARK_SECONDS`` later."""
+    bots = jwks.pool("bots")
+    store = MemoryStore()
+    store.put_bot(BotRecord(client_id=BOT, name="Tester", owner="owner-1"))
+    store.put_bot(BotRecord(client_id="bot-2", name="Other", owner="owner-1"))
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        bot_cognito_issuer=bots.issuer,
+        bot_scope=BOT_SCOPE,
+        redis_url=fresh_redis.url,
+    )
+    marks = redis.asyncio.Redis.from_url(fresh_redis.url)
+    try:
+        async with run_server(settings, store) as server:
+            for bot_id in (BOT, "bot-2"):
+                client = await server.client()
+                await client.send({"action": "subscribe", "token": bots.bot_token(bot_id)})
+                await pending_turns(client)
+            assert await marks.exists(sessions_key(BOT), sessions_key("bot-2")) == 2
+        assert await marks.exists(sessions_key(BOT), sessions_key("bot-2")) == 0
+    finally:
+        await marks.aclose()
+
+
+async def test_a_bot_in_more_games_than_a_watch_set_holds_is_told_every_turn(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its watch set stops at the cap (the first games), and a warning says so; its
+    pendingTurns still names every game where it is to move."""
+    count = MAX_WATCHED_GAMES + 5
+    for number in range(count):
+        world.store.put_current_game(BOT, game(f"g{number:05}", ["alice", BOT], "1"))
+    bot = await world.bot()
+    assert await pending_turns(bot) == {("chess", f"g{number:05}") for number in range(count)}
+    (session,) = world.server.node.index.by_user[BOT]
+    assert len(session.watching) == MAX_WATCHED_GAMES
+    assert f"more than {MAX_WATCHED_GAMES} games" in caplog.text
+
+
+async def test_a_candidate_that_cannot_be_pruned_leaves_the_bots_turns_whole(
+    jwks: JwksServer, dynamodb_proxy: DynamoFaultProxy, table: str, raw: Any
+) -> None:
+    """Pruning a stale ``BOTTURNS#`` candidate fails: the bot still gets its turns,
+    the candidates stay (the rest are not tried against a failing table), and the
+    next subscribe prunes them."""
+    bots = jwks.pool("bots")
+    raw.put_item(
+        TableName=table,
+        Item={"pk": {"S": "BOT"}, "sk": {"S": BOT}, "name": {"S": "T"}, "owner": {"S": "o"}},
+    )
+    old = str(int(time.time() * 1000) - PRUNE_GRACE_MS - 1000)
+    for game_id in ("hw-turn", "hw-over-1", "hw-over-2"):
+        raw.put_item(
+            TableName=table,
+            Item={
+                "pk": {"S": f"BOTTURNS#{BOT}"},
+                "sk": {"S": game_id},
+                "metaGame": {"S": "homeworlds"},
+                "addedAt": {"N": old},
+                "ttl": {"N": str(int(time.time()) + 86400)},
+            },
+        )
+    raw.put_item(  # the only game not over, and the bot is to move in it
+        TableName=table,
+        Item={
+            "pk": {"S": "GAME"},
+            "sk": {"S": "homeworlds#0#hw-turn"},
+            "id": {"S": "hw-turn"},
+            "metaGame": {"S": "homeworlds"},
+            "players": {"L": [{"M": {"id": {"S": "alice"}}}, {"M": {"id": {"S": BOT}}}]},
+            "toMove": {"S": "1"},
+        },
+    )
+
+    def candidates() -> set[str]:
+        items = raw.query(
+            TableName=table,
+            KeyConditionExpression="pk = :pk",
+            ExpressionAttributeValues={":pk": {"S": f"BOTTURNS#{BOT}"}},
+            ConsistentRead=True,
+        )["Items"]
+        return {item["sk"]["S"] for item in items}
+
+    settings = dataclasses.replace(
+        TEST_SETTINGS,
+        bot_cognito_issuer=bots.issuer,
+        bot_scope=BOT_SCOPE,
+        store="dynamodb",
+        dynamodb_endpoint=dynamodb_proxy.endpoint,
+        table=table,
+    )
+    async with run_server(settings) as server:
+        dynamodb_proxy.fail_operation("DeleteItem", 1, "AccessDeniedException", 400)
+        client = await server.client()
+        await client.send({"action": "subscribe", "token": bots.bot_token(BOT)})
+        assert await pending_turns(client) == {("homeworlds", "hw-turn")}
+        assert dynamodb_proxy.injected == {"AccessDeniedException": 1}
+        assert dynamodb_proxy.count("DeleteItem") == 1
+        assert candidates() == {"hw-turn", "hw-over-1", "hw-over-2"}
+        again = await server.client()
+        await again.send({"action": "subscribe", "token": bots.bot_token(BOT)})
+        assert await pending_turns(again) == {("homeworlds", "hw-turn")}
+        assert candidates() == {"hw-turn"}

@@ -140,6 +140,9 @@ class BotService:
                     except Exception as exc:
                         log.warning("bot session marks not renewed: %s", exc)
         finally:
+            # The sessions closed just before this: the unmarks they started go first.
+            if self._unmarking:
+                await asyncio.wait(list(self._unmarking), timeout=1.0)
             for bot_id in list(self._held):
                 try:
                     await asyncio.wait_for(self._sessions.unmark(bot_id), 1.0)
