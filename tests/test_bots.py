@@ -16,6 +16,7 @@ import redis.asyncio
 
 from loadtest.harness.faults import TcpFaultProxy
 from protocol.errors import MAX_WATCHED_GAMES
+from server.config import Settings
 from server.coordination.bot_sessions import sessions_key
 from server.services.bots import PRUNE_GRACE_MS
 from server.store import BotRecord, CurrentGame, MemoryStore
@@ -57,12 +58,18 @@ async def jwks() -> AsyncIterator[JwksServer]:
         await server.stop()
 
 
-@pytest.fixture
-async def world(jwks: JwksServer, request: pytest.FixtureRequest) -> AsyncIterator[World]:
-    humans, bots = jwks.pool("humans"), jwks.pool("bots")
+def two_bots() -> MemoryStore:
+    """A store whose ``BOT`` rows register two bots: ``BOT`` and ``bot-2``."""
     store = MemoryStore()
     store.put_bot(BotRecord(client_id=BOT, name="Tester", owner="owner-1"))
     store.put_bot(BotRecord(client_id="bot-2", name="Other", owner="owner-1"))
+    return store
+
+
+@pytest.fixture
+async def world(jwks: JwksServer, request: pytest.FixtureRequest) -> AsyncIterator[World]:
+    humans, bots = jwks.pool("humans"), jwks.pool("bots")
+    store = two_bots()
     settings = dataclasses.replace(
         TEST_SETTINGS,
         cognito_issuer=humans.issuer,
@@ -271,6 +278,26 @@ def _put_current_game(raw: Any, table: str, player: str, game_id: str, to_move: 
     )
 
 
+def put_bot_row(raw: Any, table: str) -> None:
+    """The smallest ``BOT`` row the backend's create_bot writes."""
+    raw.put_item(
+        TableName=table,
+        Item={"pk": {"S": "BOT"}, "sk": {"S": BOT}, "name": {"S": "T"}, "owner": {"S": "o"}},
+    )
+
+
+def on_dynamodb(bots: Pool, proxy: DynamoFaultProxy, table: str) -> Settings:
+    """A node taking the bot pool's tokens, its store the table behind ``proxy``."""
+    return dataclasses.replace(
+        TEST_SETTINGS,
+        bot_cognito_issuer=bots.issuer,
+        bot_scope=BOT_SCOPE,
+        store="dynamodb",
+        dynamodb_endpoint=proxy.endpoint,
+        table=table,
+    )
+
+
 async def test_pending_turns_from_currentgames_rows_in_dynamodb(
     jwks: JwksServer, dynamodb_endpoint: str, table: str, raw: Any
 ) -> None:
@@ -326,20 +353,9 @@ async def test_an_unreadable_bot_row_or_game_list_makes_the_bot_retry(
     ``pendingTurns`` (without the list it could miss a turn for good). Once
     DynamoDB answers, the bot gets its turns."""
     bots = jwks.pool("bots")
-    raw.put_item(
-        TableName=table,
-        Item={"pk": {"S": "BOT"}, "sk": {"S": BOT}, "name": {"S": "T"}, "owner": {"S": "o"}},
-    )
+    put_bot_row(raw, table)
     _put_current_game(raw, table, BOT, "hw-mine", {"S": "1"})
-    settings = dataclasses.replace(
-        TEST_SETTINGS,
-        bot_cognito_issuer=bots.issuer,
-        bot_scope=BOT_SCOPE,
-        store="dynamodb",
-        dynamodb_endpoint=dynamodb_proxy.endpoint,
-        table=table,
-    )
-    async with run_server(settings) as server:
+    async with run_server(on_dynamodb(bots, dynamodb_proxy, table)) as server:
         # Errors the store does not retry: each read fails at once.
         for operation, what in (("GetItem", "bot registry"), ("Query", "current games")):
             dynamodb_proxy.fail_operation(operation, 1, "AccessDeniedException", 400)
@@ -456,9 +472,7 @@ async def test_a_node_that_stops_drops_its_bots_marks_at_once(
     bridge must send their messages to the webhook, not to a mark that lapses only
     ``MARK_SECONDS`` later."""
     bots = jwks.pool("bots")
-    store = MemoryStore()
-    store.put_bot(BotRecord(client_id=BOT, name="Tester", owner="owner-1"))
-    store.put_bot(BotRecord(client_id="bot-2", name="Other", owner="owner-1"))
+    store = two_bots()
     settings = dataclasses.replace(
         TEST_SETTINGS,
         bot_cognito_issuer=bots.issuer,
@@ -500,10 +514,7 @@ async def test_a_candidate_that_cannot_be_pruned_leaves_the_bots_turns_whole(
     the candidates stay (the rest are not tried against a failing table), and the
     next subscribe prunes them."""
     bots = jwks.pool("bots")
-    raw.put_item(
-        TableName=table,
-        Item={"pk": {"S": "BOT"}, "sk": {"S": BOT}, "name": {"S": "T"}, "owner": {"S": "o"}},
-    )
+    put_bot_row(raw, table)
     old = str(int(time.time() * 1000) - PRUNE_GRACE_MS - 1000)
     for game_id in ("hw-turn", "hw-over-1", "hw-over-2"):
         raw.put_item(
@@ -537,15 +548,7 @@ async def test_a_candidate_that_cannot_be_pruned_leaves_the_bots_turns_whole(
         )["Items"]
         return {item["sk"]["S"] for item in items}
 
-    settings = dataclasses.replace(
-        TEST_SETTINGS,
-        bot_cognito_issuer=bots.issuer,
-        bot_scope=BOT_SCOPE,
-        store="dynamodb",
-        dynamodb_endpoint=dynamodb_proxy.endpoint,
-        table=table,
-    )
-    async with run_server(settings) as server:
+    async with run_server(on_dynamodb(bots, dynamodb_proxy, table)) as server:
         dynamodb_proxy.fail_operation("DeleteItem", 1, "AccessDeniedException", 400)
         client = await server.client()
         await client.send({"action": "subscribe", "token": bots.bot_token(BOT)})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator
@@ -14,8 +13,8 @@ import pytest
 from protocol.chat import comment_weight
 from server.services.game_access import FRESH_SECONDS, STALE_SECONDS
 from server.store.records import comment_key
-from tests.chat_helpers import post
-from tests.conftest import TEST_SETTINGS, RunningServer, run_server
+from tests.chat_helpers import on_dynamodb, post
+from tests.conftest import RunningServer, run_server
 from tests.services import DynamoFaultProxy
 
 GAME = ("chess", "g1")
@@ -23,10 +22,7 @@ GAME = ("chess", "g1")
 
 @pytest.fixture
 async def dynamo_server(dynamodb_endpoint: str, table: str) -> AsyncIterator[RunningServer]:
-    settings = dataclasses.replace(
-        TEST_SETTINGS, store="dynamodb", dynamodb_endpoint=dynamodb_endpoint, table=table
-    )
-    async with run_server(settings) as running:
+    async with run_server(on_dynamodb(dynamodb_endpoint, table)) as running:
         yield running
 
 
@@ -227,10 +223,7 @@ async def test_a_store_outage_answers_unavailable_and_the_retry_is_stored_once(
 ) -> None:
     seed_game(raw, table, ["alice"])
     proxy = dynamodb_proxy
-    settings = dataclasses.replace(
-        TEST_SETTINGS, store="dynamodb", dynamodb_endpoint=proxy.endpoint, table=table
-    )
-    async with run_server(settings) as running:
+    async with run_server(on_dynamodb(proxy.endpoint, table)) as running:
         alice = await running.subscribed("alice", games=[GAME])
         # The append's own request fails with a throttle, then goes through on retry.
         proxy.fail_next(2, "ThrottlingException", 400)
@@ -260,14 +253,7 @@ async def test_a_busy_game_is_read_once_a_second_at_most_and_its_end_refused_wit
 ) -> None:
     seed_game(raw, table, ["alice", "bob"])
     proxy = dynamodb_proxy
-    settings = dataclasses.replace(
-        TEST_SETTINGS,
-        store="dynamodb",
-        dynamodb_endpoint=proxy.endpoint,
-        table=table,
-        chat_rate=100,
-    )
-    async with run_server(settings) as running:
+    async with run_server(on_dynamodb(proxy.endpoint, table, chat_rate=100)) as running:
         alice = await running.subscribed("alice", games=[GAME])
         proxy.operations.clear()
         started = time.monotonic()

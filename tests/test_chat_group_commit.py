@@ -6,7 +6,6 @@ append of their events, in order."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Any
 
@@ -14,8 +13,8 @@ import redis.asyncio
 
 from server.coordination.game_lock import lock_key
 from server.runtime.metrics import Registry
-from tests.chat_helpers import chat_message, post, put_game_row, replies
-from tests.conftest import TEST_SETTINGS, run_server
+from tests.chat_helpers import chat_message, on_dynamodb, post, put_game_row, replies
+from tests.conftest import run_server
 from tests.services import DynamoFaultProxy, RedisServer
 
 GAME = ("chess", "g1")
@@ -55,14 +54,7 @@ async def test_comments_queued_behind_the_lock_are_written_in_one_batch_in_order
 ) -> None:
     put_game_row(raw, table, ["alice", "bob"])
     proxy = dynamodb_proxy
-    settings = dataclasses.replace(
-        TEST_SETTINGS,
-        store="dynamodb",
-        dynamodb_endpoint=proxy.endpoint,
-        table=table,
-        redis_url=fresh_redis.url,
-        chat_rate=100,
-    )
+    settings = on_dynamodb(proxy.endpoint, table, redis_url=fresh_redis.url, chat_rate=100)
     lock = redis.asyncio.Redis.from_url(fresh_redis.url)
     try:
         async with run_server(settings) as running:
