@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from loadtest.harness.redis_cluster import RedisCluster, redis_cli
@@ -143,4 +144,68 @@ async def test_a_primary_that_stops_answering_is_given_up_on_and_retried(
         redis_cli(replica, "config", "set", "cluster-replica-no-failover", "no")
         await pipes.close()
         await client.aclose()
+    await asyncio.to_thread(redis.wait_ok)
+
+
+async def test_legacy_publishes_keep_their_order_through_a_frozen_primary(
+    shared_redis_cluster: RedisCluster,
+) -> None:
+    """``publish_in_order`` (``ap:{games}``) while the channel's primary is frozen:
+    the batch on the stalled connection fails, each message is sent again in turn,
+    one whose deadline passes is given up and counted, and the later ones go out,
+    in order, once the primary answers. (The stalled connection's bytes may run
+    too when it wakes: a message may come twice, never ahead of an earlier one.)"""
+    redis = shared_redis_cluster
+    redis.wait_ok()
+    channel = "ap:{ordered-" + uuid.uuid4().hex[:8] + "}"
+    slot = key_slot(channel.encode())
+    primary = redis.owner(slot)
+    replica = replica_of(redis, primary)
+    process = redis.instance(primary).process
+    assert process is not None
+    listener = aioredis.Redis(host="127.0.0.1", port=primary)
+    heard = listener.pubsub()
+    await heard.ssubscribe(channel)
+    client = make_cluster_client(redis.url)
+    metrics = Registry()
+    pipes = ShardPipes(client, stall_timeout=0.2, metrics=metrics)
+    await pipes.start()
+    got: list[bytes] = []
+
+    async def listen() -> None:
+        async for message in heard.listen():
+            if message["type"] == "smessage":
+                got.append(message["data"])
+
+    listening = asyncio.create_task(listen())
+    assert redis_cli(replica, "config", "set", "cluster-replica-no-failover", "yes").strip() == "OK"
+    try:
+        pipes.publish_in_order(slot, channel, b"m0", 60)
+        await eventually(lambda: got == [b"m0"], 10, "m0")
+        process.send_signal(signal.SIGSTOP)
+        pipes.publish_in_order(slot, channel, b"m1", 0.1)  # given up while frozen
+        pipes.publish_in_order(slot, channel, b"m2", 60)
+        pipes.publish_in_order(slot, channel, b"m3", 60)
+        await eventually(
+            lambda: (
+                metrics.value("ap_bus_ordered_publish_drops_total") == 1
+                and metrics.value("ap_bus_failover_retries_total") >= 2
+            ),
+            30,
+            "m1 given up and m2 retried while the primary is frozen",
+        )
+        assert got == [b"m0"]
+        process.send_signal(signal.SIGCONT)
+        await eventually(lambda: {b"m2", b"m3"} <= set(got), 30, "m2 and m3")
+        assert got[0] == b"m0"
+        assert got.index(b"m2") < got.index(b"m3")
+        assert metrics.value("ap_bus_ordered_publish_drops_total") == 1
+    finally:
+        process.send_signal(signal.SIGCONT)
+        redis_cli(replica, "config", "set", "cluster-replica-no-failover", "no")
+        listening.cancel()
+        await pipes.close()
+        await client.aclose()
+        await heard.aclose()
+        await listener.aclose()
     await asyncio.to_thread(redis.wait_ok)
