@@ -120,12 +120,11 @@ class ChatService:
         marks: ChatMarks,
         outbox_limit: int,
         *,
-        access: GameAccessCache | None = None,
         metrics: Registry | None = None,
     ) -> None:
         self._counters = _ChatCounters(metrics or Registry())
         self._store = store
-        self._access = access or GameAccessCache(store.get_game_access, metrics=metrics)
+        self._access = GameAccessCache(store.get_game_access, metrics=metrics)
         self._publish = publish
         self._locks = locks
         self._limiter = limiter
