@@ -25,6 +25,7 @@ from server.ingress.table_stream import (
     plan_shards,
 )
 from server.redis.client import make_client
+from server.runtime.metrics import Registry
 from server.store.base import ShardCheckpoint
 from server.store.dynamodb import DynamoStore
 from tests.conftest import TEST_REGION, new_table
@@ -134,9 +135,8 @@ class Recorder:
 
 
 @pytest.fixture
-async def streamed(dynamodb_endpoint: str, raw: Any) -> AsyncIterator[tuple[str, DynamoStore]]:
+async def unstreamed(dynamodb_endpoint: str) -> AsyncIterator[tuple[str, DynamoStore]]:
     table = await new_table(dynamodb_endpoint)
-    enable_stream(raw, table)
     store = DynamoStore(table=table, region=TEST_REGION, endpoint_url=dynamodb_endpoint)
     await store.start()
     try:
@@ -145,8 +145,19 @@ async def streamed(dynamodb_endpoint: str, raw: Any) -> AsyncIterator[tuple[str,
         await store.close()
 
 
+@pytest.fixture
+def streamed(raw: Any, unstreamed: tuple[str, DynamoStore]) -> tuple[str, DynamoStore]:
+    enable_stream(raw, unstreamed[0])
+    return unstreamed
+
+
 def reader_for(
-    endpoint: str, table: str, store: DynamoStore, handler: Recorder, lease: Lease | None = None
+    endpoint: str,
+    table: str,
+    store: DynamoStore,
+    handler: Recorder,
+    lease: Lease | None = None,
+    metrics: Registry | None = None,
 ) -> TableStreamReader:
     return TableStreamReader(
         store,
@@ -156,6 +167,7 @@ def reader_for(
         region=TEST_REGION,
         endpoint_url=endpoint,
         poll_seconds=0.05,
+        metrics=metrics,
     )
 
 
@@ -271,3 +283,57 @@ async def test_one_reader_at_a_time_and_a_handover_skips_nothing(
                 await reader.stop()
     assert recorders[active].numbers() == [0, 1, 2]
     assert recorders[other].numbers() == [3, 4, 5]
+
+
+async def test_a_table_without_a_stream_is_named_and_read_once_it_has_one(
+    dynamodb_endpoint: str,
+    raw: Any,
+    unstreamed: tuple[str, DynamoStore],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The reader says what to enable, counts each failed start and keeps trying; once
+    the table has its stream, it reads it, with no restart of the node."""
+    table, store = unstreamed
+    recorder, metrics = Recorder(), Registry()
+    reader = reader_for(dynamodb_endpoint, table, store, recorder, metrics=metrics)
+    await reader.start()
+    try:
+        await eventually(
+            lambda: metrics.value("ap_stream_reader_failures_total") >= 2,
+            WITHIN_S,
+            "two failed starts",
+        )
+        assert f"table {table!r} has no stream: enable it (NEW_AND_OLD_IMAGES)" in caplog.text
+        assert not reader.reading and not reader.positioned
+        enable_stream(raw, table)
+        await eventually(lambda: bool(reader.positioned), WITHIN_S, "the reader at work")
+        put_notification(raw, table, "alice", 7)
+        await eventually(lambda: recorder.numbers() == [7], WITHIN_S, "the notification")
+    finally:
+        await reader.stop()
+
+
+async def test_a_stream_of_keys_only_is_named_and_not_read(
+    dynamodb_endpoint: str,
+    raw: Any,
+    unstreamed: tuple[str, DynamoStore],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    table, store = unstreamed
+    raw.update_table(
+        TableName=table,
+        StreamSpecification={"StreamEnabled": True, "StreamViewType": "KEYS_ONLY"},
+    )
+    metrics = Registry()
+    reader = reader_for(dynamodb_endpoint, table, store, Recorder(), metrics=metrics)
+    await reader.start()
+    try:
+        await eventually(
+            lambda: metrics.value("ap_stream_reader_failures_total") >= 1,
+            WITHIN_S,
+            "a failed start",
+        )
+        assert f"the stream of {table!r} is KEYS_ONLY: new images are needed" in caplog.text
+        assert not reader.reading and not reader.positioned
+    finally:
+        await reader.stop()
