@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from loadtest.harness.faults import TcpFaultProxy
 from server.ingress import queue_core
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
@@ -328,3 +329,50 @@ async def test_a_slow_batch_is_logged_with_where_its_time_went(
     line = next(r.getMessage() for r in caplog.records if "a batch of 1 took" in r.getMessage())
     for step in ("claim", "prepare", "deliver", "mark", "delete", "its oldest message was queued"):
         assert step in line, line
+
+
+async def test_a_dedup_store_that_fails_hands_the_batch_back_and_nothing_is_lost(
+    dynamodb_endpoint: str, queue: str, fresh_redis: RedisServer, redis_proxy: TcpFaultProxy
+) -> None:
+    """The bus is up, the claims' Redis is not: both tries at the batch's claims are
+    cut. Nothing is delivered unclaimed; the batch goes back to the queue, and comes
+    round again once the claims go through: each event reaches the watcher once."""
+    from server.coordination.dedup import RedisDedup
+    from server.ingress.queue_core import QueuePolling
+    from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
+    from server.redis.client import make_client
+
+    game = f"g-{uuid.uuid4().hex[:8]}"
+    settings = dataclasses.replace(TEST_SETTINGS, redis_url=fresh_redis.url)
+    async with run_server(settings) as running:
+        watcher = await running.subscribed("bob", games=[("chess", game)])
+        for n in range(3):
+            body = {"verb": "game", "payload": {"meta": "chess", "id": game, "n": n}}
+            await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
+        metrics = running.node.metrics
+        redis_proxy.cut_before(DEDUP_PREFIX.encode(), 2)  # the claims and redis-py's retry
+        bridge = SqsBridge(
+            running.node.publish,
+            running.node.bus,
+            RedisDedup(make_client(redis_proxy.url, retries=1)),
+            QueuePolling(
+                queue,
+                node_id=running.node.node_id,
+                region=TEST_REGION,
+                endpoint_url=dynamodb_endpoint,
+                pollers=1,
+                wait_seconds=1,
+                visibility_seconds=2,
+            ),
+            metrics=metrics,
+        )
+        await bridge.start()
+        try:
+            await eventually_in_thread(lambda: depth(dynamodb_endpoint, queue) == 0, 30, "empty")
+        finally:
+            await bridge.stop()
+        assert redis_proxy.cuts_before_write == 2
+        assert metrics.value("ap_sqs_errors_total") >= 1  # the bridge's own counters
+        assert metrics.value("ap_sqs_messages_returned_total") >= 1
+        await watcher.barrier()
+        assert [e["n"] for e in game_events(watcher)] == [0, 1, 2]
