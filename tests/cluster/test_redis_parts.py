@@ -75,6 +75,17 @@ async def test_start_fails_cleanly_without_redis() -> None:
     assert not bus.connected
 
 
+async def test_a_cluster_bus_start_fails_cleanly_without_redis() -> None:
+    """A wrong ``--redis-url``: a clear error naming it, and nothing left running."""
+    url = f"redis://127.0.0.1:{free_port()}"
+    bus = RedisClusterBus(url, connect_timeout=0.5)
+    before = asyncio.all_tasks()
+    with pytest.raises(BusUnavailable, match=f"Redis Cluster at {url} did not answer within 0.5s"):
+        await bus.start(Inbox())
+    assert not bus.connected
+    assert asyncio.all_tasks() - before == set()  # the repair loop is gone too
+
+
 async def test_the_bus_survives_a_redis_restart(
     redis_server: RedisServer, buses: list[tuple[RedisBus, Inbox]]
 ) -> None:
