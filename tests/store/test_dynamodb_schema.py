@@ -258,6 +258,29 @@ async def test_create_table_enables_ttl_on_an_existing_table_without_it(
     assert (ttl["TimeToLiveStatus"], ttl["AttributeName"]) == ("ENABLED", "ttl")
 
 
+async def test_a_table_whose_ttl_is_on_another_attribute_is_refused_and_left_alone(
+    endpoint: str, raw: Any
+) -> None:
+    """DynamoDB has one TTL attribute per table: with it on another one, connection rows
+    would never expire. Say so, rather than take the table over."""
+    name = f"ttl-{uuid.uuid4().hex[:12]}"
+    raw.create_table(
+        TableName=name,
+        AttributeDefinitions=KEY_ATTRIBUTES,
+        KeySchema=KEY_SCHEMA,
+        BillingMode="PAY_PER_REQUEST",
+    )
+    raw.update_time_to_live(
+        TableName=name, TimeToLiveSpecification={"Enabled": True, "AttributeName": "expiresAt"}
+    )
+    with pytest.raises(
+        StoreUnavailable, match="has TTL on 'expiresAt', not 'ttl'; connection rows would never"
+    ):
+        await create_table(endpoint, name, REGION)
+    ttl = raw.describe_time_to_live(TableName=name)["TimeToLiveDescription"]
+    assert (ttl["TimeToLiveStatus"], ttl["AttributeName"]) == ("ENABLED", "expiresAt")
+
+
 # ---------------------------------------------------------------- start/close
 
 
