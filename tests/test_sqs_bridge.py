@@ -18,7 +18,11 @@ from typing import Any
 import pytest
 
 from loadtest.harness.faults import TcpFaultProxy
+from server.coordination.dedup import RedisDedup
 from server.ingress import queue_core
+from server.ingress.queue_core import QueuePolling
+from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
+from server.redis.client import make_client
 from tests.client import Client
 from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
 from tests.queues import depth, new_queue, send, sqs_client
@@ -33,6 +37,25 @@ def new_live_queue(endpoint: str) -> str:
 
 def game_events(client: Client) -> list[dict[str, Any]]:
     return [m["payload"] for m in client.messages if m.get("verb") in ("game", "chat")]
+
+
+def bridge_of(running: RunningServer, redis_url: str, endpoint: str, queue: str) -> SqsBridge:
+    """A second bridge on ``running``'s node, one poller, its claims on ``redis_url``."""
+    return SqsBridge(
+        running.node.publish,
+        running.node.bus,
+        RedisDedup(make_client(redis_url, retries=1)),
+        QueuePolling(
+            queue,
+            node_id=running.node.node_id,
+            region=TEST_REGION,
+            endpoint_url=endpoint,
+            pollers=1,
+            wait_seconds=1,
+            visibility_seconds=2,
+        ),
+        metrics=running.node.metrics,
+    )
 
 
 @pytest.fixture
@@ -195,7 +218,7 @@ async def test_one_message_handed_to_two_pollers_of_one_node_is_published_once(
     """SQS (and moto, whose receive is not atomic across threads) may give one message to
     two concurrent receives; both are this node's pollers, and one publish must come of it.
     With Redis the claim and the publish really interleave."""
-    from server.ingress.sqs import SqsBridge, _Received
+    from server.ingress.sqs import _Received
 
     settings = dataclasses.replace(
         TEST_SETTINGS,
@@ -228,10 +251,7 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
     delete). Its claim expires, the message comes back and the bridge publishes it
     again: the append remembers the MessageId, so clients get each event once."""
     from protocol.parse import parse_broadcast
-    from server.coordination.dedup import Claim, RedisDedup
-    from server.ingress.queue_core import QueuePolling
-    from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
-    from server.redis.client import make_client
+    from server.coordination.dedup import Claim
 
     # Names of this test's own: the offsets asserted below count from the stream's
     # first event.
@@ -266,21 +286,7 @@ async def test_a_consumer_killed_between_publish_and_complete_costs_no_duplicate
             )
         await doomed.close()
         await asyncio.sleep(1.2)  # visibility and claim both expired: the kill window
-        bridge = SqsBridge(
-            running.node.publish,
-            running.node.bus,
-            RedisDedup(make_client(redis_url, retries=1)),
-            QueuePolling(
-                queue,
-                node_id=running.node.node_id,
-                region=TEST_REGION,
-                endpoint_url=dynamodb_endpoint,
-                pollers=1,
-                wait_seconds=1,
-                visibility_seconds=2,
-            ),
-            metrics=running.node.metrics,
-        )
+        bridge = bridge_of(running, redis_url, dynamodb_endpoint, queue)
         published = running.node.metrics.value("ap_sqs_messages_published_total")
         await bridge.start()
         try:
@@ -337,10 +343,6 @@ async def test_a_dedup_store_that_fails_hands_the_batch_back_and_nothing_is_lost
     """The bus is up, the claims' Redis is not: both tries at the batch's claims are
     cut. Nothing is delivered unclaimed; the batch goes back to the queue, and comes
     round again once the claims go through: each event reaches the watcher once."""
-    from server.coordination.dedup import RedisDedup
-    from server.ingress.queue_core import QueuePolling
-    from server.ingress.sqs import DEDUP_PREFIX, SqsBridge
-    from server.redis.client import make_client
 
     game = f"g-{uuid.uuid4().hex[:8]}"
     settings = dataclasses.replace(TEST_SETTINGS, redis_url=fresh_redis.url)
@@ -351,21 +353,7 @@ async def test_a_dedup_store_that_fails_hands_the_batch_back_and_nothing_is_lost
             await asyncio.to_thread(send, dynamodb_endpoint, queue, body)
         metrics = running.node.metrics
         redis_proxy.cut_before(DEDUP_PREFIX.encode(), 2)  # the claims and redis-py's retry
-        bridge = SqsBridge(
-            running.node.publish,
-            running.node.bus,
-            RedisDedup(make_client(redis_proxy.url, retries=1)),
-            QueuePolling(
-                queue,
-                node_id=running.node.node_id,
-                region=TEST_REGION,
-                endpoint_url=dynamodb_endpoint,
-                pollers=1,
-                wait_seconds=1,
-                visibility_seconds=2,
-            ),
-            metrics=metrics,
-        )
+        bridge = bridge_of(running, redis_proxy.url, dynamodb_endpoint, queue)
         await bridge.start()
         try:
             await eventually_in_thread(lambda: depth(dynamodb_endpoint, queue) == 0, 30, "empty")
