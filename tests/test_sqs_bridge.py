@@ -356,7 +356,7 @@ async def test_a_dedup_store_that_fails_hands_the_batch_back_and_nothing_is_lost
         bridge = bridge_of(running, redis_proxy.url, dynamodb_endpoint, queue)
         await bridge.start()
         try:
-            await eventually_in_thread(lambda: depth(dynamodb_endpoint, queue) == 0, 30, "empty")
+            await eventually_in_thread(lambda: depth(dynamodb_endpoint, queue) == 0, 60, "empty")
         finally:
             await bridge.stop()
         assert redis_proxy.cuts_before_write == 2
