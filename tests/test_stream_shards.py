@@ -20,10 +20,10 @@ from server.coordination.lease import MemoryLease
 from server.ingress.table_stream import TableStreamReader
 from server.store.dynamodb import DynamoStore
 from tests.services import DynamoFaultProxy
-from tests.test_table_stream import WITHIN_S, Recorder, put_notification, streamed
+from tests.test_table_stream import WITHIN_S, Recorder, put_notification, streamed, unstreamed
 from tests.waiting import eventually
 
-__all__ = ["streamed"]  # the fixture
+__all__ = ["streamed", "unstreamed"]  # the fixture, and the one it is made from
 
 CHILD = "shardId-00000002000000000000-child001"
 
