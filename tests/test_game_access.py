@@ -9,22 +9,15 @@ import asyncio
 import pytest
 
 from server.runtime.metrics import Registry
-from server.services.game_access import GameAccessCache
+from server.services.game_access import MAX_GAMES, GameAccessCache
 from server.store.base import StoreUnavailable
 from server.store.memory import MemoryStore
 from server.store.records import GameAccess, GameStatus
 from tests.chat_helpers import complete_game, seed_game
+from tests.clock import Clock
 from tests.rows import Rows
 
 GAME = ("chess", "g1")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Reads:
@@ -52,8 +45,8 @@ def store() -> MemoryStore:
     return store
 
 
-def cache_of(reads: Reads, clock: Clock, **kwargs: float) -> GameAccessCache:
-    return GameAccessCache(reads, fresh=1.0, stale=5.0, clock=clock, **kwargs)  # type: ignore[arg-type]
+def cache_of(reads: Reads, clock: Clock, size: int = MAX_GAMES) -> GameAccessCache:
+    return GameAccessCache(reads, fresh=1.0, stale=5.0, size=size, clock=clock)
 
 
 async def settle() -> None:

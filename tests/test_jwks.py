@@ -12,15 +12,8 @@ import pytest
 
 from server.auth.jwks import HttpJwks, JwksUnavailable, UnknownKey
 from server.auth.verify import AuthError, AuthUnavailable, BotVerifier, CognitoVerifier
+from tests.clock import Clock
 from tests.tokens import BOT_SCOPE, HUMAN_CLIENT_ID, JwksServer
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -34,11 +27,11 @@ async def jwks_server() -> AsyncIterator[JwksServer]:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> Clock:
+    return Clock()
 
 
-async def test_keys_are_fetched_once_and_cached(jwks_server: JwksServer, clock: FakeClock) -> None:
+async def test_keys_are_fetched_once_and_cached(jwks_server: JwksServer, clock: Clock) -> None:
     pool = jwks_server.pool("bots")
     jwks = HttpJwks(pool.issuer + "/.well-known/jwks.json", clock=clock)
     verifier = BotVerifier(pool.issuer, BOT_SCOPE, jwks)
@@ -52,7 +45,7 @@ async def test_keys_are_fetched_once_and_cached(jwks_server: JwksServer, clock: 
 
 
 async def test_a_rotated_key_is_fetched_when_a_token_names_it(
-    jwks_server: JwksServer, clock: FakeClock
+    jwks_server: JwksServer, clock: Clock
 ) -> None:
     pool = jwks_server.pool("humans")
     jwks = HttpJwks(pool.issuer + "/.well-known/jwks.json", clock=clock, cooldown=30)
@@ -73,7 +66,7 @@ async def test_a_rotated_key_is_fetched_when_a_token_names_it(
 
 
 async def test_a_flood_of_unknown_key_ids_costs_one_fetch_per_cooldown(
-    jwks_server: JwksServer, clock: FakeClock
+    jwks_server: JwksServer, clock: Clock
 ) -> None:
     pool = jwks_server.pool("bots")
     jwks = HttpJwks(pool.issuer + "/.well-known/jwks.json", clock=clock, cooldown=30)
@@ -95,7 +88,7 @@ async def test_a_flood_of_unknown_key_ids_costs_one_fetch_per_cooldown(
 
 
 async def test_cached_keys_survive_an_outage_and_the_error_is_clear(
-    jwks_server: JwksServer, clock: FakeClock
+    jwks_server: JwksServer, clock: Clock
 ) -> None:
     pool = jwks_server.pool("bots")
     url = pool.issuer + "/.well-known/jwks.json"
@@ -127,9 +120,7 @@ async def test_cached_keys_survive_an_outage_and_the_error_is_clear(
         await jwks.close()
 
 
-async def test_a_bad_document_keeps_the_cached_keys(
-    jwks_server: JwksServer, clock: FakeClock
-) -> None:
+async def test_a_bad_document_keeps_the_cached_keys(jwks_server: JwksServer, clock: Clock) -> None:
     pool = jwks_server.pool("bots")
     jwks = HttpJwks(pool.issuer + "/.well-known/jwks.json", clock=clock, cooldown=1)
     try:

@@ -20,20 +20,13 @@ from apclient import (
 )
 from apclient.tokens import token_claims
 from server.store import BotRecord, MemoryStore
+from tests.clock import Clock
 from tests.conftest import TEST_SETTINGS, RunningServer, run_server
 from tests.sdk_support import Recorder
 from tests.tokens import BOT_SCOPE, JwksServer
 
 BOT = "token-bot"
 SECRET = "token-bot-secret"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -79,7 +72,7 @@ async def test_a_refused_token_is_replaced_on_refresh(issuer: JwksServer) -> Non
 
 
 async def test_the_token_is_renewed_before_it_expires(issuer: JwksServer) -> None:
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     get = credentials(issuer, clock=clock, margin=60.0)
     await get()
     clock.now += 3600 - 61
@@ -92,7 +85,7 @@ async def test_the_token_is_renewed_before_it_expires(issuer: JwksServer) -> Non
 
 async def test_a_short_lived_token_is_not_fetched_on_every_call(issuer: JwksServer) -> None:
     issuer.token_lifetime = 20
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     get = credentials(issuer, clock=clock, margin=60.0)
     await get()
     clock.now += 9  # before half its life: reused

@@ -10,14 +10,7 @@ import pytest
 from server.auth.token_cache import TokenCache
 from server.auth.verify import Authenticator, AuthError, DevVerifier, Identity
 from tests.client import DEV_SECRET, dev_token
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import Clock
 
 
 def test_an_entry_is_never_used_at_or_after_exp() -> None:
