@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from typing import Any
 
-from server.config import Settings
 from tests.client import Client
-from tests.conftest import TEST_SETTINGS
 from tests.rows import Rows
-
-
-def on_dynamodb(endpoint: str, table: str, **changes: Any) -> Settings:
-    """A node whose store is ``table`` at ``endpoint`` (moto, or a proxy in front)."""
-    return dataclasses.replace(
-        TEST_SETTINGS, store="dynamodb", dynamodb_endpoint=endpoint, table=table, **changes
-    )
 
 
 def chat_message(

@@ -50,6 +50,14 @@ TEST_SETTINGS = Settings(
 )
 
 
+def on_dynamodb(endpoint: str, table: str, **changes: Any) -> Settings:
+    """TEST_SETTINGS with ``table`` at ``endpoint`` (moto, or a proxy in front) as the
+    store, and ``changes``."""
+    return dataclasses.replace(
+        TEST_SETTINGS, store="dynamodb", dynamodb_endpoint=endpoint, table=table, **changes
+    )
+
+
 @dataclass
 class RunningServer:
     node: Node

@@ -22,7 +22,7 @@ from server.services.bots import PRUNE_GRACE_MS
 from server.store import BotRecord, CurrentGame, MemoryStore
 from server.store.dynamodb import DynamoStore
 from tests.client import Client
-from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, run_server
+from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, on_dynamodb, run_server
 from tests.services import DynamoFaultProxy, RedisServer
 from tests.tokens import BOT_SCOPE, HUMAN_CLIENT_ID, JwksServer, Pool
 from tests.waiting import eventually, eventually_read
@@ -286,16 +286,9 @@ def put_bot_row(raw: Any, table: str) -> None:
     )
 
 
-def on_dynamodb(bots: Pool, proxy: DynamoFaultProxy, table: str) -> Settings:
+def bots_on_dynamodb(bots: Pool, proxy: DynamoFaultProxy, table: str) -> Settings:
     """A node taking the bot pool's tokens, its store the table behind ``proxy``."""
-    return dataclasses.replace(
-        TEST_SETTINGS,
-        bot_cognito_issuer=bots.issuer,
-        bot_scope=BOT_SCOPE,
-        store="dynamodb",
-        dynamodb_endpoint=proxy.endpoint,
-        table=table,
-    )
+    return on_dynamodb(proxy.endpoint, table, bot_cognito_issuer=bots.issuer, bot_scope=BOT_SCOPE)
 
 
 async def test_pending_turns_from_currentgames_rows_in_dynamodb(
@@ -355,7 +348,7 @@ async def test_an_unreadable_bot_row_or_game_list_makes_the_bot_retry(
     bots = jwks.pool("bots")
     put_bot_row(raw, table)
     _put_current_game(raw, table, BOT, "hw-mine", {"S": "1"})
-    async with run_server(on_dynamodb(bots, dynamodb_proxy, table)) as server:
+    async with run_server(bots_on_dynamodb(bots, dynamodb_proxy, table)) as server:
         # Errors the store does not retry: each read fails at once.
         for operation, what in (("GetItem", "bot registry"), ("Query", "current games")):
             dynamodb_proxy.fail_operation(operation, 1, "AccessDeniedException", 400)
@@ -548,7 +541,7 @@ async def test_a_candidate_that_cannot_be_pruned_leaves_the_bots_turns_whole(
         )["Items"]
         return {item["sk"]["S"] for item in items}
 
-    async with run_server(on_dynamodb(bots, dynamodb_proxy, table)) as server:
+    async with run_server(bots_on_dynamodb(bots, dynamodb_proxy, table)) as server:
         dynamodb_proxy.fail_operation("DeleteItem", 1, "AccessDeniedException", 400)
         client = await server.client()
         await client.send({"action": "subscribe", "token": bots.bot_token(BOT)})

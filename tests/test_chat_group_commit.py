@@ -13,8 +13,8 @@ import redis.asyncio
 
 from server.coordination.game_lock import lock_key
 from server.runtime.metrics import Registry
-from tests.chat_helpers import chat_message, on_dynamodb, post, put_game_row, replies
-from tests.conftest import run_server
+from tests.chat_helpers import chat_message, post, put_game_row, replies
+from tests.conftest import on_dynamodb, run_server
 from tests.services import DynamoFaultProxy, RedisServer
 
 GAME = ("chess", "g1")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 from server.store.base import ConnectionRecord
 from server.store.dynamodb import DynamoStore
 from tests.client import Client
-from tests.conftest import TEST_SETTINGS, RunningServer, run_server
+from tests.conftest import RunningServer, on_dynamodb, run_server
 from tests.services import DynamoFaultProxy, free_port
 from tests.waiting import eventually
 
@@ -25,10 +24,7 @@ REGION = "us-east-1"
 
 @pytest.fixture
 async def dynamo_server(dynamodb_endpoint: str, table: str) -> AsyncIterator[RunningServer]:
-    settings = dataclasses.replace(
-        TEST_SETTINGS, store="dynamodb", dynamodb_endpoint=dynamodb_endpoint, table=table
-    )
-    async with run_server(settings) as running:
+    async with run_server(on_dynamodb(dynamodb_endpoint, table)) as running:
         yield running
 
 
@@ -117,10 +113,7 @@ async def test_a_node_deletes_its_earlier_rows_on_start_and_its_rows_on_shutdown
     await store.write_connections([*left_behind, other_node], [])
     await store.close()
 
-    settings = dataclasses.replace(
-        TEST_SETTINGS, store="dynamodb", dynamodb_endpoint=dynamodb_endpoint, table=table
-    )
-    async with run_server(settings) as running:
+    async with run_server(on_dynamodb(dynamodb_endpoint, table)) as running:
         rows = {i["sk"]["S"] for i in connection_items(raw, table)}
         assert rows == {"x1"}
         await running.subscribed("alice")
@@ -134,10 +127,7 @@ async def test_clients_stay_connected_through_a_dynamodb_outage_and_nothing_is_l
     dynamodb_proxy: DynamoFaultProxy, table: str, raw: Any
 ) -> None:
     proxy = dynamodb_proxy
-    settings = dataclasses.replace(
-        TEST_SETTINGS, store="dynamodb", dynamodb_endpoint=proxy.endpoint, table=table
-    )
-    async with run_server(settings) as running:
+    async with run_server(on_dynamodb(proxy.endpoint, table)) as running:
         early = await running.subscribed("early")
         await early.wait_for(lambda: early.presence.visible == {"early"})
         proxy.fail_all("InternalServerError", 500)

@@ -8,7 +8,6 @@ two node processes is in ``tests/cluster/test_notification_push.py``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,7 +26,13 @@ from server.ingress.notifications import (
     notification_of,
 )
 from tests.client import Client
-from tests.conftest import TEST_REGION, TEST_SETTINGS, RunningServer, new_table, run_server
+from tests.conftest import (
+    TEST_REGION,
+    RunningServer,
+    new_table,
+    on_dynamodb,
+    run_server,
+)
 from tests.services import DynamoFaultProxy, RedisServer
 from tests.test_table_stream import enable_stream, put_notification
 from tests.waiting import eventually
@@ -60,13 +65,8 @@ async def reading(running: RunningServer, within: float = 20) -> None:
 
 
 def settings_for(endpoint: str, table: str, **extra: Any) -> Settings:
-    return dataclasses.replace(
-        TEST_SETTINGS,
-        store="dynamodb",
-        dynamodb_endpoint=endpoint,
-        table=table,
-        notifications_from_stream=True,
-        **{"stream_poll_ms": 200, **extra},
+    return on_dynamodb(
+        endpoint, table, notifications_from_stream=True, **{"stream_poll_ms": 200, **extra}
     )
 
 
