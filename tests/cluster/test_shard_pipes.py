@@ -5,7 +5,9 @@ primary that stops answering given up on and retried."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -100,6 +102,41 @@ def replica_of(redis: RedisCluster, primary: int) -> int:
     raise AssertionError(f"no replica of {primary}")
 
 
+@contextlib.asynccontextmanager
+async def primary_to_freeze(
+    redis: RedisCluster, slot: int
+) -> AsyncIterator[tuple[int, subprocess.Popen[bytes]]]:
+    """The port and process of ``slot``'s primary, for the test to SIGSTOP, its replica
+    told not to take over meanwhile: no timing decides a verdict. On the way out the
+    primary runs again, its replica may fail over again, and the cluster is whole."""
+    redis.wait_ok()
+    primary = redis.owner(slot)
+    replica = replica_of(redis, primary)
+    process = redis.instance(primary).process
+    assert process is not None
+    assert redis_cli(replica, "config", "set", "cluster-replica-no-failover", "yes").strip() == "OK"
+    try:
+        yield primary, process
+    finally:
+        process.send_signal(signal.SIGCONT)
+        redis_cli(replica, "config", "set", "cluster-replica-no-failover", "no")
+    await asyncio.to_thread(redis.wait_ok)
+
+
+@contextlib.asynccontextmanager
+async def quick_to_stall(redis: RedisCluster) -> AsyncIterator[tuple[ShardPipes, Registry]]:
+    """Started pipes that give up on a silent primary after 0.2 s, and their counters."""
+    client = make_cluster_client(redis.url)
+    metrics = Registry()
+    pipes = ShardPipes(client, stall_timeout=0.2, metrics=metrics)
+    await pipes.start()
+    try:
+        yield pipes, metrics
+    finally:
+        await pipes.close()
+        await client.aclose()
+
+
 async def test_a_primary_that_stops_answering_is_given_up_on_and_retried(
     shared_redis_cluster: RedisCluster,
 ) -> None:
@@ -111,21 +148,13 @@ async def test_a_primary_that_stops_answering_is_given_up_on_and_retried(
     The primary stays frozen until two retries were counted, however long that
     takes a starved test process, and its replica is told not to take over
     meanwhile: no timing decides the verdict."""
-    redis = shared_redis_cluster
-    redis.wait_ok()
     tag = "{pipes-" + uuid.uuid4().hex[:8] + "}"
     slot = key_slot(tag.encode())
-    primary = redis.owner(slot)
-    replica = replica_of(redis, primary)
-    process = redis.instance(primary).process
-    assert process is not None
-    client = make_cluster_client(redis.url)
-    metrics = Registry()
-    pipes = ShardPipes(client, stall_timeout=0.2, metrics=metrics)
-    await pipes.start()
-    retried = metrics.value("ap_bus_failover_retries_total")
-    assert redis_cli(replica, "config", "set", "cluster-replica-no-failover", "yes").strip() == "OK"
-    try:
+    async with (
+        primary_to_freeze(shared_redis_cluster, slot) as (_, process),
+        quick_to_stall(shared_redis_cluster) as (pipes, metrics),
+    ):
+        retried = metrics.value("ap_bus_failover_retries_total")
         assert await pipes.execute(slot, ("SET", f"{tag}:a", "1"), time.monotonic() + 5) == b"OK"
         process.send_signal(signal.SIGSTOP)
         reading = asyncio.create_task(
@@ -139,12 +168,6 @@ async def test_a_primary_that_stops_answering_is_given_up_on_and_retried(
         assert not reading.done(), "answered while the primary was frozen"
         process.send_signal(signal.SIGCONT)
         assert await reading == b"1"
-    finally:
-        process.send_signal(signal.SIGCONT)
-        redis_cli(replica, "config", "set", "cluster-replica-no-failover", "no")
-        await pipes.close()
-        await client.aclose()
-    await asyncio.to_thread(redis.wait_ok)
 
 
 async def test_legacy_publishes_keep_their_order_through_a_frozen_primary(
@@ -155,57 +178,45 @@ async def test_legacy_publishes_keep_their_order_through_a_frozen_primary(
     one whose deadline passes is given up and counted, and the later ones go out,
     in order, once the primary answers. (The stalled connection's bytes may run
     too when it wakes: a message may come twice, never ahead of an earlier one.)"""
-    redis = shared_redis_cluster
-    redis.wait_ok()
     channel = "ap:{ordered-" + uuid.uuid4().hex[:8] + "}"
     slot = key_slot(channel.encode())
-    primary = redis.owner(slot)
-    replica = replica_of(redis, primary)
-    process = redis.instance(primary).process
-    assert process is not None
-    listener = aioredis.Redis(host="127.0.0.1", port=primary)
-    heard = listener.pubsub()
-    await heard.ssubscribe(channel)
-    client = make_cluster_client(redis.url)
-    metrics = Registry()
-    pipes = ShardPipes(client, stall_timeout=0.2, metrics=metrics)
-    await pipes.start()
     got: list[bytes] = []
+    async with (
+        primary_to_freeze(shared_redis_cluster, slot) as (primary, process),
+        quick_to_stall(shared_redis_cluster) as (pipes, metrics),
+    ):
+        listener = aioredis.Redis(host="127.0.0.1", port=primary)
+        heard = listener.pubsub()
+        await heard.ssubscribe(channel)
 
-    async def listen() -> None:
-        async for message in heard.listen():
-            if message["type"] == "smessage":
-                got.append(message["data"])
+        async def listen() -> None:
+            async for message in heard.listen():
+                if message["type"] == "smessage":
+                    got.append(message["data"])
 
-    listening = asyncio.create_task(listen())
-    assert redis_cli(replica, "config", "set", "cluster-replica-no-failover", "yes").strip() == "OK"
-    try:
-        pipes.publish_in_order(slot, channel, b"m0", 60)
-        await eventually(lambda: got == [b"m0"], 10, "m0")
-        process.send_signal(signal.SIGSTOP)
-        pipes.publish_in_order(slot, channel, b"m1", 0.1)  # given up while frozen
-        pipes.publish_in_order(slot, channel, b"m2", 60)
-        pipes.publish_in_order(slot, channel, b"m3", 60)
-        await eventually(
-            lambda: (
-                metrics.value("ap_bus_ordered_publish_drops_total") == 1
-                and metrics.value("ap_bus_failover_retries_total") >= 2
-            ),
-            30,
-            "m1 given up and m2 retried while the primary is frozen",
-        )
-        assert got == [b"m0"]
-        process.send_signal(signal.SIGCONT)
-        await eventually(lambda: {b"m2", b"m3"} <= set(got), 30, "m2 and m3")
-        assert got[0] == b"m0"
-        assert got.index(b"m2") < got.index(b"m3")
-        assert metrics.value("ap_bus_ordered_publish_drops_total") == 1
-    finally:
-        process.send_signal(signal.SIGCONT)
-        redis_cli(replica, "config", "set", "cluster-replica-no-failover", "no")
-        listening.cancel()
-        await pipes.close()
-        await client.aclose()
-        await heard.aclose()
-        await listener.aclose()
-    await asyncio.to_thread(redis.wait_ok)
+        listening = asyncio.create_task(listen())
+        try:
+            pipes.publish_in_order(slot, channel, b"m0", 60)
+            await eventually(lambda: got == [b"m0"], 10, "m0")
+            process.send_signal(signal.SIGSTOP)
+            pipes.publish_in_order(slot, channel, b"m1", 0.1)  # given up while frozen
+            pipes.publish_in_order(slot, channel, b"m2", 60)
+            pipes.publish_in_order(slot, channel, b"m3", 60)
+            await eventually(
+                lambda: (
+                    metrics.value("ap_bus_ordered_publish_drops_total") == 1
+                    and metrics.value("ap_bus_failover_retries_total") >= 2
+                ),
+                30,
+                "m1 given up and m2 retried while the primary is frozen",
+            )
+            assert got == [b"m0"]
+            process.send_signal(signal.SIGCONT)
+            await eventually(lambda: {b"m2", b"m3"} <= set(got), 30, "m2 and m3")
+            assert got[0] == b"m0"
+            assert got.index(b"m2") < got.index(b"m3")
+            assert metrics.value("ap_bus_ordered_publish_drops_total") == 1
+        finally:
+            listening.cancel()
+            await heard.aclose()
+            await listener.aclose()
